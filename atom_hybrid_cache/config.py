@@ -1,0 +1,197 @@
+"""Every setting of the plugin and its `ATOM_*` environment variables.
+
+One place parses and validates them, at start-up, with errors that name the
+offending setting. Unset variables change nothing: the dataclass defaults (or
+the values a caller passes) stand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Optional
+
+EVICTION_POLICIES = ("reuse-aware", "lru")
+
+
+class ConfigError(ValueError):
+    """A setting has a bad value; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class PlacementConfig:
+    """Where checkpoints go and how they are evicted."""
+
+    # >0: a rung every N tokens; 0: no state checkpoints at all; -1: no
+    # rungs, while the anchor and the demand rung still place checkpoints.
+    interval_tokens: int = -1
+    demand: bool = True
+    anchor: bool = True
+    # tokens at a prompt's end assumed to change when the client appends.
+    anchor_margin_tokens: int = 1
+    eviction: str = "reuse-aware"
+    # After a KV tail cut, a checkpoint this fraction of the surviving
+    # prefix below it, so the next, similar cut still leaves one to resume.
+    cut_backoff: float = 0.25
+    # Fallback rungs, as fractions of the prompt, in prompts longer than
+    # their share of the KV pool.
+    fallback_fractions: tuple = (0.5,)
+    # protected anchors/cut checkpoints per request slot (max_num_seqs).
+    protected_per_seq: int = 2
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int = 1024
+    max_num_seqs: int = 8
+    num_spec: int = 0
+    # headroom: checkpoint-only slots on top of max_num_seqs * (1 + num_spec)
+    state_checkpoint_slots: int = 16
+    successor_room: int = 1
+    interior_states_readable: bool = False
+    stats_log_interval: int = 0
+    strict_stats: bool = False
+    # Replay only: a free state at every block boundary, i.e. an
+    # attention-only model with this KV pool (the hit-rate ceiling).
+    kv_only_ceiling: bool = False
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+    @property
+    def live_slots(self) -> int:
+        return self.max_num_seqs * (1 + self.num_spec)
+
+    @property
+    def num_state_slots(self) -> int:
+        return self.live_slots + self.state_checkpoint_slots
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def _positive(name: str, v: int) -> None:
+    if not isinstance(v, int) or v <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+
+
+def _non_negative(name: str, v: int) -> None:
+    if not isinstance(v, int) or v < 0:
+        raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+
+
+def validate(cfg: CacheConfig) -> None:
+    _positive("block_size", cfg.block_size)
+    if cfg.num_kv_blocks < 2:
+        raise ConfigError(f"num_kv_blocks must be >= 2 (block 0 is the null block), got {cfg.num_kv_blocks}")
+    _positive("max_num_seqs", cfg.max_num_seqs)
+    _non_negative("num_spec", cfg.num_spec)
+    _non_negative("state_checkpoint_slots", cfg.state_checkpoint_slots)
+    _positive("successor_room", cfg.successor_room)
+    _non_negative("stats_log_interval", cfg.stats_log_interval)
+    p = cfg.placement
+    if not isinstance(p.interval_tokens, int) or p.interval_tokens < -1:
+        raise ConfigError("state_checkpoint_interval_tokens must be > 0, 0 (off) or -1 "
+                          f"(no ladder), got {p.interval_tokens!r}")
+    _non_negative("state_checkpoint_anchor_margin", p.anchor_margin_tokens)
+    if p.eviction not in EVICTION_POLICIES:
+        raise ConfigError(f"state_checkpoint_eviction must be one of {EVICTION_POLICIES}, "
+                          f"got {p.eviction!r}")
+    if not 0.0 <= p.cut_backoff < 1.0:
+        raise ConfigError(f"state_checkpoint_cut_backoff must be in [0, 1), got {p.cut_backoff!r}")
+    for f in p.fallback_fractions:
+        if not 0.0 < f < 1.0:
+            raise ConfigError(f"state_checkpoint_fallback fractions must be in (0, 1), got {f!r}")
+    _non_negative("protected_per_seq", p.protected_per_seq)
+
+
+# -- environment ---------------------------------------------------------
+
+def _parse_int(var: str, raw: str) -> int:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not an integer") from None
+
+
+def _parse_float(var: str, raw: str) -> float:
+    try:
+        return float(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a number") from None
+
+
+def _parse_switch(var: str, raw: str) -> bool:
+    v = raw.strip()
+    if v == "1":
+        return True
+    if v == "0":
+        return False
+    raise ConfigError(f"{var}={raw!r} must be 1 (on) or 0 (off)")
+
+
+def _parse_choice(choices):
+    def parse(var: str, raw: str) -> str:
+        v = raw.strip()
+        if v not in choices:
+            raise ConfigError(f"{var}={raw!r} must be one of {', '.join(choices)}")
+        return v
+    return parse
+
+
+def _parse_fractions(var: str, raw: str) -> tuple:
+    if not raw.strip():
+        return ()
+    return tuple(_parse_float(var, x) for x in raw.split(","))
+
+
+# variable -> (section, field, parser, help)
+ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
+    "ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": (
+        "placement", "interval_tokens", _parse_int,
+        ">0 a ladder rung every N tokens (snapped down to the block size); 0 no state "
+        "checkpoints at all; -1 no ladder, anchor and demand rungs only"),
+    "ATOM_STATE_CHECKPOINT_DEMAND": (
+        "placement", "demand", _parse_switch,
+        "1/0: place a checkpoint where a request wanted to resume but found none"),
+    "ATOM_STATE_CHECKPOINT_SLOTS": (
+        "cache", "state_checkpoint_slots", _parse_int,
+        "checkpoint-only state slots on top of max_num_seqs*(1+num_spec), paid from the KV budget"),
+    "ATOM_STATE_CHECKPOINT_EVICTION": (
+        "placement", "eviction", _parse_choice(EVICTION_POLICIES),
+        "reuse-aware (guesses at the LRU head, anchors at the tail, protected anchors) or lru"),
+    "ATOM_STATE_CHECKPOINT_ANCHOR_MARGIN": (
+        "placement", "anchor_margin_tokens", _parse_int,
+        "tokens at a prompt's end assumed to change when the client appends"),
+    "ATOM_STATE_CHECKPOINT_CUT_BACKOFF": (
+        "placement", "cut_backoff", _parse_float,
+        "after a KV tail cut, place a checkpoint this fraction below the surviving prefix"),
+    "ATOM_STATE_CHECKPOINT_FALLBACK": (
+        "placement", "fallback_fractions", _parse_fractions,
+        "comma list of prompt fractions for fallback rungs in prompts longer than their pool share"),
+    "ATOM_STATS_LOG_INTERVAL": (
+        "cache", "stats_log_interval", _parse_int,
+        "print the cache log lines every N admissions (0: never)"),
+}
+
+
+def apply_env(cfg: CacheConfig, environ: Optional[Mapping[str, str]] = None) -> CacheConfig:
+    """`cfg` with every exported ATOM_* variable applied; unknown ATOM_*
+    variables are an error (a typo would otherwise be silently ignored)."""
+    env = os.environ if environ is None else environ
+    cache_kw: dict = {}
+    placement_kw: dict = {}
+    for var, raw in env.items():
+        if not var.startswith("ATOM_"):
+            continue
+        if var not in ENV_VARS:
+            raise ConfigError(f"unknown setting {var}; known: {', '.join(sorted(ENV_VARS))}")
+        section, name, parse, _ = ENV_VARS[var]
+        value = parse(var, raw)
+        (placement_kw if section == "placement" else cache_kw)[name] = value
+    placement = dataclasses.replace(cfg.placement, **placement_kw)
+    try:
+        return dataclasses.replace(cfg, placement=placement, **cache_kw)
+    except ConfigError as e:
+        names = ", ".join(v for v in ENV_VARS if v in env)
+        raise ConfigError(f"{e} (from {names})") from None

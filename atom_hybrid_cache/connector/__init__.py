@@ -1,0 +1,1 @@
+"""LMCache connector for KV plus state checkpoints (see the connector issue)."""

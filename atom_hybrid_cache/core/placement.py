@@ -1,0 +1,126 @@
+"""Where state checkpoints go.
+
+Positions are token counts (the state after that many tokens) and always
+multiples of the KV block size, because a checkpoint is filed under the hash
+of the last block it covers.
+
+- prompt-end anchor: agentic clients resend the whole previous prompt and
+  continue it, so the next turn resumes where this prompt ends;
+- demand rung: a request whose KV prefix outran its checkpoints asks for a
+  checkpoint where it wanted to resume, so the next request with that prefix
+  gets it;
+- interval ladder: a rung every N tokens (N > 0), none for N == -1, and no
+  checkpoints at all for N == 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Callable, Optional
+
+# interval values with a meaning of their own
+INTERVAL_OFF = 0
+INTERVAL_NO_LADDER = -1
+
+
+def snap_interval(interval: int, block_size: int,
+                  warn: Callable[[str], None] = lambda msg: None) -> int:
+    """The interval the ladder really uses.
+
+    A positive interval that is not a multiple of the block size snaps down,
+    since rungs must sit on block boundaries; one that snaps to 0 turns
+    checkpointing off rather than placing a rung at every position."""
+    if interval in (INTERVAL_OFF, INTERVAL_NO_LADDER):
+        return interval
+    if interval < INTERVAL_NO_LADDER:
+        raise ValueError(
+            f"state_checkpoint_interval_tokens must be > 0, 0 (off) or -1 (no ladder), got {interval}")
+    snapped = interval // block_size * block_size
+    if snapped != interval:
+        if snapped == 0:
+            warn(f"state_checkpoint_interval_tokens={interval} is below the block size "
+                 f"{block_size}: state checkpointing is OFF")
+        else:
+            warn(f"state_checkpoint_interval_tokens={interval} is not a multiple of the "
+                 f"block size {block_size}: using {snapped}")
+    return snapped
+
+
+def is_rung(position: int, interval: int) -> bool:
+    """True when `position` is on the ladder. Never true without a ladder:
+    `position % -1 == 0` holds for every position."""
+    return interval > 0 and position > 0 and position % interval == 0
+
+
+def ladder_positions(lo: int, hi: int, interval: int) -> list[int]:
+    """Rungs strictly above lo and at most hi."""
+    if interval <= 0 or hi <= lo:
+        return []
+    first = (lo // interval + 1) * interval
+    return list(range(first, hi + 1, interval))
+
+
+def anchor_position(prompt_len: int, block_size: int, successor_room: int,
+                    margin_tokens: int) -> int:
+    """Last block boundary a continuation of this prompt can resume from.
+
+    The next forward must carry `successor_room` tokens, and the last
+    `margin_tokens` tokens of a prompt often change when a client appends
+    to it (a BPE merge across the boundary, a closing marker rewritten)."""
+    return max(0, (prompt_len - successor_room - margin_tokens) // block_size * block_size)
+
+
+def resume_cap_blocks(prompt_len: int, block_size: int, successor_room: int) -> int:
+    """Most blocks a request may reuse: prefill must still run at least
+    `successor_room` tokens to produce logits."""
+    return max(0, (prompt_len - successor_room) // block_size)
+
+
+class CheckpointTargets:
+    """Pending checkpoint positions of one request, kept sorted."""
+
+    __slots__ = ("positions", "kinds")
+
+    def __init__(self) -> None:
+        self.positions: list[int] = []
+        self.kinds: dict[int, str] = {}
+
+    def add(self, position: int, kind: str) -> None:
+        if position <= 0 or position in self.kinds:
+            return
+        bisect.insort(self.positions, position)
+        self.kinds[position] = kind
+
+    def __len__(self) -> int:
+        return len(self.positions)
+
+    def earliest_in(self, lo: int, hi: int) -> Optional[int]:
+        """Earliest pending target in (lo, hi]."""
+        i = bisect.bisect_right(self.positions, lo)
+        if i < len(self.positions) and self.positions[i] <= hi:
+            return self.positions[i]
+        return None
+
+    def pop_through(self, hi: int) -> list[tuple[int, str]]:
+        """Remove and return targets at or below hi, in order."""
+        i = bisect.bisect_right(self.positions, hi)
+        done = self.positions[:i]
+        del self.positions[:i]
+        return [(p, self.kinds.pop(p)) for p in done]
+
+
+def chunk_end(computed: int, budget: int, total: int, targets: CheckpointTargets,
+              interior_readable: bool) -> tuple[int, Optional[str]]:
+    """Where this step's prefill chunk ends, and the kind of target it was
+    cut for (None when not cut).
+
+    A backend that cannot read interior states only sees the state at the
+    end of a forward, so the chunk ends on the EARLIEST pending target in
+    it: ending on a later one would skip the earlier target for good."""
+    end = min(total, computed + budget)
+    if interior_readable:
+        return end, None
+    t = targets.earliest_in(computed, end)
+    if t is None or t == end:
+        return end, None
+    return t, targets.kinds[t]

@@ -1,0 +1,1 @@
+"""Triton kernels and their torch references (see the kernels issue)."""

@@ -1,0 +1,90 @@
+"""The policies a replay compares, each built for the same byte budget.
+
+- default: this project's placement and eviction, as shipped;
+- simple: prompt-end anchor + demand rung under plain LRU (what a first
+  implementation does; shows what the reuse-aware parts buy);
+- ladder-8192: rungs every 8192 tokens only, plain LRU;
+- no-state-cache: checkpointing off (the zero line: no hybrid hit at all);
+- kv-only-ceiling: a free state at every block boundary with the default's
+  KV pool (same blocks, same KV eviction order): the ceiling, so
+  hit/ceiling measures placement and state eviction alone;
+- vllm-align: an emulation of vLLM 0.32's own hybrid caching
+  (align_emulation.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import CacheConfig, PlacementConfig
+
+POLICY_NAMES = ("default", "kv-only-ceiling", "no-state-cache", "ladder-8192", "simple", "vllm-align")
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    cache: Optional[CacheConfig]  # None for the emulation
+    page_tokens: int = 0  # emulation only
+    num_pages: int = 0    # emulation only
+
+
+def parse_policy_names(text: str) -> list[str]:
+    if text.strip() in ("", "all"):
+        return list(POLICY_NAMES)
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    for n in names:
+        if n not in POLICY_NAMES:
+            raise ValueError(f"--policies: unknown policy {n!r}; known: {', '.join(POLICY_NAMES)}")
+    if "kv-only-ceiling" not in names:
+        names.append("kv-only-ceiling")  # every ratio is taken against it
+    return names
+
+
+def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_bytes: int,
+                   budget_bytes: int, block_size: int, max_num_seqs: int, num_spec: int,
+                   headroom_slots: int, base_placement: PlacementConfig) -> list[PolicySpec]:
+    live = max_num_seqs * (1 + num_spec)
+    block_bytes = kv_bytes_per_token * block_size
+
+    def kv_blocks(slots: int) -> int:
+        rest = budget_bytes - slots * state_slot_bytes
+        n = rest // block_bytes
+        if n < 2:
+            raise ValueError(f"--memory-gib: {budget_bytes / 2**30:.1f} GiB leaves no room for KV "
+                             f"blocks next to {slots} state slots")
+        return int(n)
+
+    def cfg(placement: PlacementConfig, headroom: int, **kw) -> CacheConfig:
+        return CacheConfig(block_size=block_size, num_kv_blocks=kv_blocks(live + headroom),
+                           max_num_seqs=max_num_seqs, num_spec=num_spec,
+                           state_checkpoint_slots=headroom, placement=placement, **kw)
+
+    default = cfg(base_placement, headroom_slots)
+    specs = []
+    for name in names:
+        if name == "default":
+            specs.append(PolicySpec(name, default))
+        elif name == "kv-only-ceiling":
+            specs.append(PolicySpec(name, dataclasses.replace(default, kv_only_ceiling=True)))
+        elif name == "no-state-cache":
+            specs.append(PolicySpec(name, cfg(dataclasses.replace(base_placement, interval_tokens=0), 0)))
+        elif name == "ladder-8192":
+            p = PlacementConfig(interval_tokens=8192, demand=False, anchor=False, eviction="lru",
+                                cut_backoff=0.0, fallback_fractions=())
+            specs.append(PolicySpec(name, cfg(p, headroom_slots)))
+        elif name == "simple":
+            p = PlacementConfig(interval_tokens=-1, demand=True, anchor=True, anchor_margin_tokens=0,
+                                eviction="lru", cut_backoff=0.0, fallback_fractions=())
+            specs.append(PolicySpec(name, cfg(p, headroom_slots)))
+        elif name == "vllm-align":
+            # One page must hold one state slot; pages are whole blocks.
+            per_page = -(-state_slot_bytes // block_bytes)
+            page_tokens = per_page * block_size
+            pages = budget_bytes // (page_tokens * kv_bytes_per_token)
+            specs.append(PolicySpec(name, None, page_tokens=page_tokens, num_pages=int(pages)))
+        else:
+            raise ValueError(f"unknown policy {name!r}")
+    return specs

@@ -1,0 +1,203 @@
+"""`atom-hybrid-cache replay`: run traces through every policy side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import sys
+import time
+from typing import Optional
+
+from ..config import CacheConfig, PlacementConfig
+from ..core.manager import HybridCacheManager, Request
+from .align_emulation import AlignEmulationManager
+from .policies import PolicySpec, build_policies, parse_policy_names
+from .report import PolicyResult, format_table, plot_sweep, write_json
+from .simulator import SimSettings, SimTotals, simulate
+
+GIB = 1 << 30
+
+# Checkpoint-only slots per request slot when --state-checkpoint-slots is
+# not given. Enough for each conversation's anchor, its cut checkpoint and a
+# fallback; more costs KV blocks than it saves (see BENCHMARKS.md's sweep).
+DEFAULT_HEADROOM_PER_SEQ = 3
+
+
+def default_headroom(max_num_seqs: int) -> int:
+    return DEFAULT_HEADROOM_PER_SEQ * max_num_seqs
+
+
+@dataclasses.dataclass
+class Workload:
+    conversations: list
+    source: object
+    settings: SimSettings
+
+
+_WORKLOAD: Optional[Workload] = None  # shared with forked workers
+
+
+def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, SimTotals, dict]:
+    s = workload.settings
+    if spec.cache is None:
+        mgr = AlignEmulationManager(spec.num_pages, spec.page_tokens, s.block_size, s.concurrency)
+        make = _make_request
+        totals = simulate(workload.conversations, workload.source, mgr, make, s, progress)
+        extra = dict(fates=mgr.fates(), writes=mgr.writes, kv_blocks=spec.num_pages,
+                     state_slots=0, page_tokens=spec.page_tokens, stats=mgr.stats.as_dict())
+        return spec.name, totals, extra
+    # The replay keeps every hash it saw so `reusable` is exact, and
+    # checks the stats nesting strictly.
+    mgr = HybridCacheManager(dataclasses.replace(spec.cache, strict_stats=True),
+                             oracle_limit=1 << 62)
+    totals = simulate(workload.conversations, workload.source, mgr, _make_request, s, progress)
+    st = mgr.stats
+    extra = dict(fates=mgr.state.fates.as_dict(), writes=st.checkpoint_writes,
+                 kv_blocks=spec.cache.num_kv_blocks, state_slots=spec.cache.num_state_slots,
+                 stats=st.as_dict(), log_lines=mgr.stats_lines(),
+                 kv_evicted=mgr.kv.evicted)
+    return spec.name, totals, extra
+
+
+def _make_request(req_id, prompt_len, hashes, tuples) -> Request:
+    return Request(req_id, prompt_len, hashes, tuples)
+
+
+def _worker(spec: PolicySpec):
+    return run_spec(spec, _WORKLOAD)
+
+
+def run_specs(specs: list[PolicySpec], workload: Workload, jobs: int, show_progress: bool):
+    global _WORKLOAD
+    _WORKLOAD = workload
+    if jobs > 1 and len(specs) > 1 and "fork" in mp.get_all_start_methods():
+        ctx = mp.get_context("fork")
+        with ctx.Pool(min(jobs, len(specs))) as pool:
+            it = pool.imap(_worker, specs)
+            out = []
+            bar = _bar(len(specs), "policies", show_progress)
+            for r in it:
+                out.append(r)
+                bar.update(1)
+            bar.close()
+            return out
+    out = []
+    n_req = sum(len(c.requests) for c in workload.conversations)
+    for spec in specs:
+        bar = _bar(n_req, spec.name, show_progress)
+        out.append(run_spec(spec, workload, bar.update))
+        bar.close()
+    return out
+
+
+def _bar(total: int, desc: str, show: bool):
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, disable=not show, file=sys.stderr, leave=False)
+
+
+def to_results(runs, settings: SimSettings) -> list[PolicyResult]:
+    by_name = {name: (t, e) for name, t, e in runs}
+    ceiling = by_name.get("kv-only-ceiling")
+    ceil_hit = _ratio(ceiling[0].cached_tokens, ceiling[0].prompt_tokens) if ceiling else float("nan")
+    results = []
+    for name, t, e in runs:
+        hit = _ratio(t.cached_tokens, t.prompt_tokens)
+        resumed = t.resumed_hits
+        kinds = t.resume_kinds
+        ladder = kinds.get("ladder", 0) + kinds.get("decode", 0)
+        results.append(PolicyResult(
+            policy=name, hit_rate=hit, ceiling_hit_rate=ceil_hit,
+            hit_over_ceiling=_ratio(hit, ceil_hit),
+            paged_hit=_ratio(t.compressed_tokens, t.reusable_tokens),
+            state_hit=_ratio(t.cached_tokens, t.compressed_tokens),
+            writes_per_resumed_hit=_ratio(e["writes"], resumed),
+            checkpoint_writes=e["writes"], resumed_hits=resumed, fates=e["fates"],
+            prefill_tokens_computed=t.prefill_tokens_computed, prompt_tokens=t.prompt_tokens,
+            requests=t.requests, over_context_requests=t.over_context_requests,
+            over_context_tokens=t.over_context_tokens,
+            resume_at_prompt_end_share=_ratio(kinds.get("anchor", 0), resumed),
+            resume_at_ladder_rung_share=_ratio(ladder, resumed),
+            kv_blocks=e["kv_blocks"], state_slots=e["state_slots"], block_size=settings.block_size,
+            elapsed_s=t.elapsed_s,
+            extra=dict(resume_kinds=kinds, preemptions=t.preemptions,
+                       over_pool_requests=t.over_pool_requests, steps=t.steps,
+                       **{k: v for k, v in e.items() if k not in ("fates", "writes", "kv_blocks", "state_slots")}),
+        ))
+    return results
+
+
+def _ratio(a, b) -> float:
+    return a / b if b else float("nan")
+
+
+def load_workload(args) -> tuple[Workload, object]:
+    from .geometry import geometry_from_args
+    from .traces import TokenExpander, default_sample_paths, load_traces
+    overrides = {}
+    for name in ("kv_bytes_per_token", "state_slot_bytes", "max_model_len"):
+        v = getattr(args, name, None)
+        if v is not None:
+            overrides[name] = v
+    geometry = geometry_from_args(args.model, **overrides)
+    paths = list(args.traces) or default_sample_paths()
+    conversations = load_traces(paths)
+    settings = SimSettings(concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
+                           block_size=args.block_size, max_model_len=geometry.max_model_len,
+                           max_requests=args.max_requests)
+    return Workload(conversations, TokenExpander(), settings), geometry
+
+
+def placement_from_args(args) -> PlacementConfig:
+    p = PlacementConfig()
+    if getattr(args, "interval", None) is not None:
+        p = dataclasses.replace(p, interval_tokens=args.interval)
+    return p
+
+
+def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[str],
+            headroom: Optional[int], placement: PlacementConfig, num_spec: int = 0,
+            jobs: int = 2, show_progress: bool = False) -> list[PolicyResult]:
+    s = workload.settings
+    specs = build_policies(
+        policies, kv_bytes_per_token=geometry.kv_bytes_per_token,
+        state_slot_bytes=geometry.state_slot_bytes, budget_bytes=int(memory_gib * GIB),
+        block_size=s.block_size, max_num_seqs=s.concurrency, num_spec=num_spec,
+        headroom_slots=default_headroom(s.concurrency) if headroom is None else headroom,
+        base_placement=placement)
+    runs = run_specs(specs, workload, jobs, show_progress)
+    return to_results(runs, s)
+
+
+def run_replay(args) -> int:
+    t0 = time.perf_counter()
+    names = parse_policy_names(",".join(args.policies))
+    workload, geometry = load_workload(args)
+    placement = placement_from_args(args)
+    show = not args.no_progress and sys.stderr.isatty()
+    results = compare(workload, geometry, memory_gib=args.memory_gib, policies=names,
+                      headroom=args.state_checkpoint_slots, placement=placement,
+                      num_spec=args.num_spec, jobs=args.jobs, show_progress=not args.no_progress)
+    title = (f"replay: {len(workload.conversations)} conversations, model {geometry.name}, "
+             f"{args.memory_gib:g} GiB, concurrency {args.concurrency}, block {args.block_size}")
+    print(format_table(results, title))
+    meta = dict(model=geometry.name, memory_gib=args.memory_gib, concurrency=args.concurrency,
+                block_size=args.block_size, prefill_chunk=args.prefill_chunk,
+                traces=list(args.traces) or "embedded sample",
+                state_slot_tokens_equiv=geometry.state_slot_bytes / geometry.kv_bytes_per_token)
+    if args.sweep_slots:
+        points: dict = {}
+        for slots in args.sweep_slots:
+            rs = compare(workload, geometry, memory_gib=args.memory_gib,
+                         policies=["default", "simple", "kv-only-ceiling"], headroom=slots,
+                         placement=placement, num_spec=args.num_spec, jobs=args.jobs)
+            for r in rs:
+                if r.policy != "kv-only-ceiling":
+                    points.setdefault(r.policy, []).append((slots, r.hit_over_ceiling))
+        meta["sweep"] = points
+        plot_sweep(points, args.plot, title + ": hit/ceiling vs checkpoint slots")
+        print(f"sweep plot: {args.plot}")
+    if args.json:
+        write_json(results, args.json, meta)
+        print(f"json: {args.json}")
+    print(f"elapsed: {time.perf_counter() - t0:.1f} s")
+    return 0

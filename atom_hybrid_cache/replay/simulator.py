@@ -1,0 +1,259 @@
+"""Serving simulation: conversations through a cache manager, step by step.
+
+The model is vLLM's scheduler reduced to what moves cache contents:
+- `concurrency` conversations are in flight; each sends its requests one
+  after another (the next turn is ready when the previous one finished) and
+  a lane that finishes a conversation starts the next one;
+- every step has a token budget (`prefill_chunk`): running decodes take one
+  token each, then running prefills take chunks (cut where the manager says),
+  then waiting requests are admitted first come first served while memory
+  allows (a request that does not fit blocks the queue, as in vLLM);
+- decode emits `output_len` tokens (the last prefill step emits the first);
+  decoded tokens never recur in a later prompt, as in the traces, where the
+  next turn resends the previous prompt and continues it;
+- when a decode finds no KV block, the most recently admitted request is
+  preempted and later admitted again (its reuse counted only once).
+Steps in which only decodes run are fast-forwarded to the next event.
+
+Requests longer than the model's context are not served (a real server
+rejects them) and are counted apart; so are prompts larger than the whole
+KV pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+from ..core.hashing import ROOT_PARENT, hash_block
+
+
+class BlockSource(Protocol):
+    def prompt_block_tuples(self, conv, i: int, block_size: int) -> tuple[list, int]: ...
+
+
+@dataclass
+class SimSettings:
+    concurrency: int = 8
+    prefill_chunk: int = 8192
+    block_size: int = 64
+    max_model_len: int = 262_144
+    max_requests: Optional[int] = None
+
+
+@dataclass
+class SimTotals:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    reusable_tokens: int = 0
+    compressed_tokens: int = 0
+    resumed_hits: int = 0
+    resume_kinds: dict = field(default_factory=dict)
+    prefill_tokens_computed: int = 0
+    decode_tokens: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    over_context_requests: int = 0
+    over_context_tokens: int = 0
+    over_pool_requests: int = 0
+    over_pool_tokens: int = 0
+    elapsed_s: float = 0.0
+
+
+class _Live:
+    """A request in the simulator: the core's request plus serving state."""
+
+    __slots__ = ("core", "lane", "output_len", "decoded", "admitted_once", "uid")
+
+    def __init__(self, core, lane, output_len, uid):
+        self.core = core
+        self.lane = lane
+        self.output_len = output_len
+        self.decoded = 0
+        self.admitted_once = False
+        self.uid = uid
+
+
+class PromptHasher:
+    """Block hashes of each prompt, reusing the previous prompt's hashes of
+    the same conversation as far as its block tuples are the same objects."""
+
+    def __init__(self, source: BlockSource, block_size: int) -> None:
+        self.source = source
+        self.block_size = block_size
+        self._prev: dict = {}
+
+    def blocks(self, conv, i: int) -> tuple[list, list, int]:
+        tuples, prompt_len = self.source.prompt_block_tuples(conv, i, self.block_size)
+        prev_tuples, prev_hashes = self._prev.get(conv.conversation_id, ((), ()))
+        n = min(len(prev_tuples), len(tuples))
+        k = 0
+        while k < n and prev_tuples[k] is tuples[k]:
+            k += 1
+        hashes = list(prev_hashes[:k])
+        parent = hashes[-1] if hashes else ROOT_PARENT
+        for t in tuples[k:]:
+            parent = hash_block(parent, t)
+            hashes.append(parent)
+        self._prev[conv.conversation_id] = (tuples, hashes)
+        return tuples, hashes, prompt_len
+
+    def forget(self, conv) -> None:
+        self._prev.pop(conv.conversation_id, None)
+
+
+def simulate(conversations: list, source: BlockSource, manager, make_request: Callable,
+             settings: SimSettings, progress: Optional[Callable[[int], None]] = None) -> SimTotals:
+    """Run every conversation through `manager` (a HybridCacheManager or an
+    object with the same methods). `make_request(req_id, prompt_len, hashes,
+    tuples)` builds the manager's request object."""
+    t0 = time.perf_counter()
+    B = settings.block_size
+    hasher = PromptHasher(source, B)
+    totals = SimTotals()
+    pending = deque(conversations)
+    lanes: list = [None] * settings.concurrency  # (conv, next index)
+    waiting: deque = deque()
+    running: list = []
+    uid = 0
+    budget_requests = settings.max_requests
+
+    def next_request(lane: int) -> None:
+        """Queue the lane's next servable request, moving to the next
+        conversation when this one is done."""
+        nonlocal uid, budget_requests
+        while True:
+            cur = lanes[lane]
+            if cur is None or cur[1] >= len(cur[0].requests):
+                if cur is not None:
+                    hasher.forget(cur[0])
+                if not pending or (budget_requests is not None and budget_requests <= 0):
+                    lanes[lane] = None
+                    return
+                lanes[lane] = cur = [pending.popleft(), 0]
+            conv, i = cur
+            cur[1] += 1
+            tr = conv.requests[i]
+            if tr.prompt_len + tr.output_len > settings.max_model_len:
+                totals.over_context_requests += 1
+                totals.over_context_tokens += tr.prompt_len
+                continue
+            if budget_requests is not None:
+                if budget_requests <= 0:
+                    lanes[lane] = None
+                    return
+                budget_requests -= 1
+            tuples, hashes, prompt_len = hasher.blocks(conv, i)
+            uid += 1
+            core = make_request((conv.conversation_id, i), prompt_len, hashes, list(tuples))
+            waiting.append(_Live(core, lane, max(1, tr.output_len), uid))
+            return
+
+    for lane in range(settings.concurrency):
+        next_request(lane)
+
+    def finish(live: _Live) -> None:
+        manager.finish(live.core)
+        running.remove(live)
+        if progress is not None:
+            progress(1)
+        next_request(live.lane)
+
+    def grow(live: _Live, n: int) -> bool:
+        core = live.core
+        before = core.num_tokens // B
+        after = (core.num_tokens + n) // B
+        hs, ts = core.block_hashes, core.block_tokens
+        for i in range(before, after):
+            if i < len(hs):
+                continue  # a full prompt block (cannot happen past the prompt)
+            toks = (-live.uid, i)
+            hs.append(hash_block(hs[i - 1] if i else ROOT_PARENT, toks))
+            ts.append(toks)
+        return manager.append_tokens(core, n)
+
+    def preempt_for(victim_of: _Live) -> None:
+        victim = running[-1]
+        manager.preempt(victim.core)
+        running.remove(victim)
+        victim.decoded = 0
+        waiting.appendleft(victim)
+        totals.preemptions += 1
+
+    while waiting or running:
+        totals.steps += 1
+        budget = settings.prefill_chunk
+        decoding = [r for r in running if r.core.num_computed >= r.core.prompt_len]
+        budget -= len(decoding)
+        prefilling = [r for r in running if r.core.num_computed < r.core.prompt_len]
+        worked = False
+        for r in prefilling:
+            if budget <= 0:
+                break
+            n = manager.next_chunk(r.core, budget)
+            manager.prefill_done(r.core, n)
+            totals.prefill_tokens_computed += n
+            budget -= n
+            worked = True
+        admitted_any = False
+        while waiting and budget > 0 and len(running) < settings.concurrency:
+            live = waiting[0]
+            adm = manager.admit(live.core)
+            if adm is None:
+                if not running:
+                    # Larger than the whole pool: it can never run.
+                    waiting.popleft()
+                    totals.over_pool_requests += 1
+                    totals.over_pool_tokens += live.core.prompt_len
+                    next_request(live.lane)
+                    continue
+                break
+            waiting.popleft()
+            running.append(live)
+            admitted_any = worked = True
+            if not live.admitted_once:
+                live.admitted_once = True
+                totals.requests += 1
+                totals.prompt_tokens += live.core.prompt_len
+                totals.cached_tokens += adm.hit_tokens
+                totals.reusable_tokens += adm.reusable
+                totals.compressed_tokens += adm.compressed
+                if adm.hit_tokens > 0:
+                    totals.resumed_hits += 1
+                    k = adm.resume_kind
+                    totals.resume_kinds[k] = totals.resume_kinds.get(k, 0) + 1
+            n = manager.next_chunk(live.core, budget)
+            manager.prefill_done(live.core, n)
+            totals.prefill_tokens_computed += n
+            budget -= n
+        # decodes of this step; a prefill that completed this step produced
+        # its first output token already.
+        if not worked and decoding and len(decoding) == len(running):
+            # only decodes run and nothing can be admitted: jump ahead
+            k = min(r.output_len - 1 - r.decoded for r in decoding)
+            k = max(1, k)
+            totals.steps += k - 1
+        else:
+            k = 1
+        for r in decoding:
+            if r not in running:
+                continue
+            n = min(k, r.output_len - 1 - r.decoded)
+            if n > 0:
+                while not grow(r, n):
+                    preempt_for(r)
+                    if r not in running:
+                        break
+                if r not in running:
+                    continue
+                r.decoded += n
+                totals.decode_tokens += n
+        for r in list(running):
+            c = r.core
+            if c.num_computed >= c.prompt_len and r.decoded >= r.output_len - 1:
+                finish(r)
+    totals.elapsed_s = time.perf_counter() - t0
+    return totals

@@ -1,0 +1,1 @@
+"""Thin vLLM adapter (see the vLLM plugin issue)."""

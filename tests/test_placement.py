@@ -1,0 +1,161 @@
+"""placement: interval snapping, rungs, the anchor formula, chunk cuts."""
+
+import pytest
+
+from atom_hybrid_cache.core.placement import (CheckpointTargets, anchor_position, chunk_end,
+                                              is_rung, ladder_positions, resume_cap_blocks,
+                                              snap_interval)
+
+
+def _snap(interval, block):
+    warnings = []
+    return snap_interval(interval, block, warnings.append), warnings
+
+
+# -- snap_interval ------------------------------------------------------
+
+@pytest.mark.parametrize("interval", [-1, 0])
+def test_snap_special_values_returned_as_is(interval):
+    assert _snap(interval, 64) == (interval, [])
+    assert _snap(interval, 3) == (interval, [])
+
+
+def test_snap_multiple_unchanged_without_warning():
+    assert _snap(8192, 64) == (8192, [])
+    assert _snap(64, 64) == (64, [])
+
+
+def test_snap_down_to_block_multiple_warns():
+    got, warnings = _snap(100, 64)
+    assert got == 64
+    assert len(warnings) == 1
+    assert "100" in warnings[0] and "64" in warnings[0]
+    assert "OFF" not in warnings[0]
+
+
+def test_snap_below_block_turns_off_and_says_so():
+    got, warnings = _snap(40, 64)
+    assert got == 0
+    assert len(warnings) == 1
+    assert "OFF" in warnings[0] and "40" in warnings[0]
+
+
+@pytest.mark.parametrize("interval", [-2, -64, -100])
+def test_snap_below_minus_one_raises_naming_the_setting(interval):
+    with pytest.raises(ValueError, match="state_checkpoint_interval_tokens"):
+        snap_interval(interval, 64)
+
+
+# -- rungs ----------------------------------------------------------------
+
+def test_is_rung_never_true_without_a_ladder():
+    for pos in range(0, 300):
+        assert not is_rung(pos, -1)  # pos % -1 == 0 for every pos
+        assert not is_rung(pos, 0)
+
+
+def test_is_rung_on_a_ladder():
+    assert [p for p in range(0, 200) if is_rung(p, 64)] == [64, 128, 192]
+    assert not is_rung(0, 64)
+
+
+def test_ladder_positions():
+    assert ladder_positions(0, 1000, -1) == []
+    assert ladder_positions(0, 1000, 0) == []
+    assert ladder_positions(0, 200, 64) == [64, 128, 192]
+    assert ladder_positions(64, 192, 64) == [128, 192]   # above lo, at most hi
+    assert ladder_positions(63, 191, 64) == [64, 128]
+    assert ladder_positions(10, 5, 64) == []
+    assert ladder_positions(64, 64, 64) == []
+
+
+# -- anchor ----------------------------------------------------------------
+
+def _formula(L, B, room, margin):
+    return max(0, (L - room - margin) // B * B)
+
+
+@pytest.mark.parametrize("L,B,room,margin,expected", [
+    (16, 4, 1, 1, 12),     # L % B == 0
+    (17, 4, 1, 1, 12),     # L % B == 1
+    (18, 4, 1, 1, 16),
+    (19, 4, 1, 1, 16),
+    (16, 4, 1, 0, 12),     # L % B == 0: never the whole prompt
+    (17, 4, 1, 0, 16),     # L % B == 1
+    (8192, 64, 1, 1, 8128),
+    (8193, 64, 1, 1, 8128),
+    (8194, 64, 1, 1, 8192),
+    (40, 8, 3, 2, 32),
+    (45, 8, 3, 2, 40),
+    (2, 4, 1, 1, 0),
+    (1, 4, 1, 1, 0),       # never negative
+    (0, 4, 1, 1, 0),
+])
+def test_anchor_position_formula(L, B, room, margin, expected):
+    assert anchor_position(L, B, room, margin) == expected
+    assert expected == _formula(L, B, room, margin)
+    assert expected % B == 0 and expected < max(L, 1)
+
+
+def test_resume_cap_blocks_leaves_the_successor_room():
+    assert resume_cap_blocks(16, 4, 1) == 3
+    assert resume_cap_blocks(17, 4, 1) == 4
+    assert resume_cap_blocks(17, 4, 2) == 3
+    assert resume_cap_blocks(1, 4, 1) == 0
+
+
+# -- targets and chunk cuts -------------------------------------------------
+
+def _targets(**kinds_at):
+    t = CheckpointTargets()
+    for kind, positions in kinds_at.items():
+        for p in positions:
+            t.add(p, kind)
+    return t
+
+
+def test_chunk_ends_on_earliest_target_inside_the_chunk():
+    t = CheckpointTargets()
+    t.add(48, "ladder")
+    t.add(32, "anchor")
+    assert chunk_end(0, 64, 100, t, False) == (32, "anchor")
+    assert chunk_end(32, 64, 100, t, False) == (48, "ladder")
+    assert chunk_end(48, 64, 100, t, False) == (100, None)
+
+
+def test_chunk_not_cut_when_interior_readable():
+    t = _targets(anchor=[32], ladder=[48])
+    assert chunk_end(0, 64, 100, t, True) == (64, None)
+    assert chunk_end(64, 64, 100, t, True) == (100, None)
+
+
+def test_target_exactly_at_chunk_end_is_not_a_cut():
+    t = _targets(anchor=[64])
+    assert chunk_end(0, 64, 200, t, False) == (64, None)
+    t = _targets(anchor=[100])
+    assert chunk_end(0, 128, 100, t, False) == (100, None)  # end bounded by total
+
+
+def test_targets_outside_the_chunk_do_not_cut():
+    t = _targets(anchor=[16, 200])
+    assert chunk_end(16, 64, 300, t, False) == (80, None)   # 16 is not inside (16, 80]
+    assert chunk_end(0, 64, 50, t, False) == (16, "anchor")
+
+
+def test_checkpoint_targets_add_and_pop_through_order():
+    t = CheckpointTargets()
+    t.add(48, "ladder")
+    t.add(16, "anchor")
+    t.add(32, "demand")
+    t.add(16, "cut")   # already pending: first kind stays
+    t.add(0, "ladder")  # not a position
+    t.add(-4, "ladder")
+    assert len(t) == 3
+    assert t.earliest_in(16, 48) == 32   # lo excluded
+    assert t.earliest_in(0, 15) is None
+    assert t.earliest_in(0, 16) == 16    # hi included
+    assert t.pop_through(40) == [(16, "anchor"), (32, "demand")]
+    assert len(t) == 1
+    assert t.pop_through(40) == []
+    assert t.pop_through(48) == [(48, "ladder")]
+    assert len(t) == 0 and t.kinds == {}
