@@ -14,6 +14,12 @@ from typing import Callable, Mapping, Optional
 
 EVICTION_POLICIES = ("reuse-aware", "lru")
 
+# Checkpoint-only slots per request slot when state_checkpoint_slots is not
+# set: room for each conversation's anchor, its insurance one block lower,
+# branch points it was asked to resume from, and the anchors of a few turns
+# back. BENCHMARKS.md's sweep shows fewer losing hits and more costing KV.
+DEFAULT_HEADROOM_PER_SEQ = 8
+
 
 class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting."""
@@ -31,14 +37,22 @@ class PlacementConfig:
     # tokens at a prompt's end assumed to change when the client appends.
     anchor_margin_tokens: int = 1
     eviction: str = "reuse-aware"
-    # After a KV tail cut, a checkpoint this fraction of the surviving
+    # After a KV tail cut, checkpoints these fractions of the surviving
     # prefix below it, so the next, similar cut still leaves one to resume.
-    cut_backoff: float = 0.25
-    # Fallback rungs, as fractions of the prompt, in prompts longer than
-    # their share of the KV pool.
-    fallback_fractions: tuple = (0.5,)
+    cut_backoffs: tuple = (0.03, 0.15)
+    # Fallback rungs, as fractions of a request's share of the KV pool, in
+    # prompts longer than that share.
+    fallback_fractions: tuple = (0.5, 0.85)
     # protected anchors/cut checkpoints per request slot (max_num_seqs).
-    protected_per_seq: int = 2
+    protected_per_seq: int = 7
+    # a prefill that recomputes at least this many tokens also keeps a
+    # fallback one block below its anchor (0: never)
+    insure_recompute_tokens: int = 16384
+    # how far below the anchor that insurance sits (rounded up to a block):
+    # clients rewrite the last 1-3 blocks of 64 tokens now and then
+    insure_distance_tokens: int = 256
+    # kinds filed in the protected tier
+    protected_kinds: tuple = ("anchor", "cut", "demand", "fallback")
 
 
 @dataclass(frozen=True)
@@ -47,8 +61,9 @@ class CacheConfig:
     num_kv_blocks: int = 1024
     max_num_seqs: int = 8
     num_spec: int = 0
-    # headroom: checkpoint-only slots on top of max_num_seqs * (1 + num_spec)
-    state_checkpoint_slots: int = 16
+    # headroom: checkpoint-only slots on top of max_num_seqs * (1 + num_spec);
+    # None: DEFAULT_HEADROOM_PER_SEQ per request slot
+    state_checkpoint_slots: Optional[int] = None
     successor_room: int = 1
     interior_states_readable: bool = False
     stats_log_interval: int = 0
@@ -67,6 +82,9 @@ class CacheConfig:
         return self.live_slots + self.state_checkpoint_slots
 
     def __post_init__(self) -> None:
+        if self.state_checkpoint_slots is None and isinstance(self.max_num_seqs, int):
+            object.__setattr__(self, "state_checkpoint_slots",
+                               DEFAULT_HEADROOM_PER_SEQ * self.max_num_seqs)
         validate(self)
 
 
@@ -97,12 +115,15 @@ def validate(cfg: CacheConfig) -> None:
     if p.eviction not in EVICTION_POLICIES:
         raise ConfigError(f"state_checkpoint_eviction must be one of {EVICTION_POLICIES}, "
                           f"got {p.eviction!r}")
-    if not 0.0 <= p.cut_backoff < 1.0:
-        raise ConfigError(f"state_checkpoint_cut_backoff must be in [0, 1), got {p.cut_backoff!r}")
+    for f in p.cut_backoffs:
+        if not 0.0 <= f < 1.0:
+            raise ConfigError(f"state_checkpoint_cut_backoff fractions must be in [0, 1), got {f!r}")
     for f in p.fallback_fractions:
         if not 0.0 < f < 1.0:
             raise ConfigError(f"state_checkpoint_fallback fractions must be in (0, 1), got {f!r}")
     _non_negative("protected_per_seq", p.protected_per_seq)
+    _non_negative("state_checkpoint_insure_tokens", p.insure_recompute_tokens)
+    _non_negative("state_checkpoint_insure_distance", p.insure_distance_tokens)
 
 
 # -- environment ---------------------------------------------------------
@@ -164,11 +185,17 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "placement", "anchor_margin_tokens", _parse_int,
         "tokens at a prompt's end assumed to change when the client appends"),
     "ATOM_STATE_CHECKPOINT_CUT_BACKOFF": (
-        "placement", "cut_backoff", _parse_float,
-        "after a KV tail cut, place a checkpoint this fraction below the surviving prefix"),
+        "placement", "cut_backoffs", _parse_fractions,
+        "comma list: after a KV tail cut, keep checkpoints these fractions below the surviving prefix"),
     "ATOM_STATE_CHECKPOINT_FALLBACK": (
         "placement", "fallback_fractions", _parse_fractions,
-        "comma list of prompt fractions for fallback rungs in prompts longer than their pool share"),
+        "comma list of fractions of the pool share for fallback rungs in prompts longer than that share"),
+    "ATOM_STATE_CHECKPOINT_INSURE_TOKENS": (
+        "placement", "insure_recompute_tokens", _parse_int,
+        "a prefill recomputing at least N tokens also keeps a checkpoint one block below its anchor (0: never)"),
+    "ATOM_STATE_CHECKPOINT_INSURE_DISTANCE": (
+        "placement", "insure_distance_tokens", _parse_int,
+        "how many tokens below the anchor that insurance checkpoint sits (rounded up to a block)"),
     "ATOM_STATS_LOG_INTERVAL": (
         "cache", "stats_log_interval", _parse_int,
         "print the cache log lines every N admissions (0: never)"),

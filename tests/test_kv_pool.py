@@ -200,11 +200,6 @@ def test_lookup_same_hash_different_tokens_is_a_collision_miss():
     assert kv.collisions == 2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: KVBlockPool.lookup/prefix_blocks skip the parent comparison when the "
-    "tokens argument IS the stored tuple object (`content[1] is not tokens and "
-    "(...)`), so a hash collision with the same token tuple under a different "
-    "parent is a wrong hit"))
 def test_lookup_same_tokens_object_different_parent_is_a_collision_miss():
     kv = _pool(4)
     (b,) = kv.allocate(1)

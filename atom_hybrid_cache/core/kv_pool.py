@@ -69,7 +69,7 @@ class KVBlockPool:
         if b is None:
             return None
         content = self.block_content[b]
-        if content[1] is not tokens and (content[0] != parent or content[1] != tokens):
+        if content[0] != parent or (content[1] is not tokens and content[1] != tokens):
             self.collisions += 1
             return None
         return b
@@ -88,7 +88,7 @@ class KVBlockPool:
                 break
             content = bc[b]
             tokens = contents[i]
-            if content[1] is not tokens and (content[0] != parent or content[1] != tokens):
+            if content[0] != parent or (content[1] is not tokens and content[1] != tokens):
                 self.collisions += 1
                 break
             out.append(b)

@@ -25,7 +25,11 @@ logger = logging.getLogger("atom_hybrid_cache")
 
 # Checkpoint kinds filed at the LRU head: placed on a guess, they must earn
 # their slot by being read.
-GUESS_KINDS = frozenset({"demand", "ladder", "decode", "fallback"})
+GUESS_KINDS = frozenset({"demand", "ladder", "decode"})
+
+# Fallback rungs of long prompts sit on this grid, so consecutive turns of a
+# conversation ask for the same positions instead of writing new ones.
+FALLBACK_GRID_TOKENS = 4096
 
 
 @dataclass
@@ -86,6 +90,7 @@ class HybridCacheManager:
         self._seen_limit = oracle_limit if oracle_limit is not None else 16 * cfg.num_kv_blocks
         self.kv_share_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size // cfg.max_num_seqs
         self.running: dict[object, Request] = {}
+        self._protected_kinds = frozenset(p.protected_kinds)
 
     # -- admission -----------------------------------------------------
     def admit(self, req: Request) -> Optional[Admission]:
@@ -98,7 +103,6 @@ class HybridCacheManager:
         hashes = req.block_hashes
         hit_blocks = self.kv.prefix_blocks(hashes, req.block_tokens, cap, ROOT_PARENT)
         compressed = len(hit_blocks)
-        usable = self._usable_blocks(hashes, compressed)
         # KV blocks already in the pool are taken as they are even above the
         # usable hit: their content is exact, only the state must be rebuilt.
         reclaimable_free = sum(1 for b in hit_blocks if self.kv.ref_cnt[b] == 0)
@@ -108,18 +112,24 @@ class HybridCacheManager:
         slots = self.state.take_working(req.request_id, 1 + self.cfg.num_spec)
         if slots is None:
             return None
+        # Only now: taking working slots may have evicted a checkpoint.
+        usable = self._usable_blocks(hashes, compressed)
         self.kv.acquire(hit_blocks)
         req.blocks = hit_blocks + self.kv.allocate(need_new)
         req.working_slots = slots
         req.admitted = True
 
-        reusable = self._oracle_blocks(hashes, cap)
+        # Past the oracle's bound `reusable` may under-count; the KV index
+        # itself is proof that at least `compressed` blocks were reusable.
+        reusable = max(self._oracle_blocks(hashes, cap), compressed)
         resume_kind = None
         if usable:
             h = hashes[usable - 1]
             info = self.state.info(h)
-            if info is None:  # the ceiling's free state at every block
-                resume_kind = "block"
+            if info is None:
+                if not self.cfg.kv_only_ceiling:
+                    raise AssertionError(f"request {req.request_id}: resume at block {usable} without a checkpoint")
+                resume_kind = "block"  # the ceiling's free state at every block
             else:
                 resume_kind = info.kind
                 self.state.read(h)
@@ -170,18 +180,29 @@ class HybridCacheManager:
         anchor = anchor_position(L, B, cfg.successor_room, p.anchor_margin_tokens) if p.anchor else 0
         if anchor > hit:
             t.add(anchor, "anchor")
+            below = anchor - max(B, -(-p.insure_distance_tokens // B) * B)
+            if p.insure_recompute_tokens and L - hit >= p.insure_recompute_tokens and below > hit:
+                # A lost anchor costs this whole recompute again; the usual
+                # loss is the client rewriting the last few blocks, so insure
+                # a little lower.
+                t.add(below, "fallback")
         if p.demand and compressed > usable:
             t.add(compressed * B, "demand")
-        if compressed < reusable and p.cut_backoff > 0 and compressed > usable:
+        if compressed < reusable and compressed > usable:
             # The KV pool cut this conversation's tail. The next turn will
-            # most likely find a similar cut, so keep a state some way below.
-            pos = int(compressed * (1.0 - p.cut_backoff)) * B
-            if pos > hit:
-                t.add(pos, "cut")
-        if L > self.kv_share_tokens:
-            for f in p.fallback_fractions:
-                pos = int(L * f) // B * B
+            # most likely find a similar cut, so keep states some way below.
+            for f in p.cut_backoffs:
+                pos = int(compressed * (1.0 - f)) * B
                 if pos > hit:
+                    t.add(pos, "cut")
+        if L > self.kv_share_tokens:
+            # Longer than its share of the pool: its tail will be cut. Rungs
+            # at fixed fractions of the share (snapped to a coarse grid so
+            # later turns find them already kept) survive the usual cut.
+            grid = max(B, FALLBACK_GRID_TOKENS // B * B)
+            for f in p.fallback_fractions:
+                pos = int(self.kv_share_tokens * f) // grid * grid
+                if hit < pos < (anchor or L - cfg.successor_room):
                     t.add(pos, "fallback")
         for pos in ladder_positions(hit, L - cfg.successor_room, self.interval):
             t.add(pos, "ladder")
@@ -229,7 +250,7 @@ class HybridCacheManager:
             # never indexed; a checkpoint nobody can reach is not kept.
             return
         reuse_aware = self.cfg.placement.eviction == "reuse-aware"
-        protect = reuse_aware and kind in ("anchor", "cut")
+        protect = reuse_aware and kind in self._protected_kinds
         at_head = reuse_aware and kind in GUESS_KINDS
         had = self.state.has(h)
         slot = self.state.store(h, CheckpointInfo(pos, kind, req.request_id),

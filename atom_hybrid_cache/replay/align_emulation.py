@@ -1,15 +1,18 @@
 """An emulation of vLLM 0.32's own hybrid prefix caching ("align" mode).
 
-What it keeps of vLLM: the KV block size is raised until one KV page has the
-bytes of one recurrent-state slot, and state pages come out of the same
-unified pool as KV pages; a state is kept only where a prefill chunk ends on
+What it keeps of vLLM: the attention block size is raised until one
+layer's KV page holds one layer's recurrent state, layers are grouped so one
+page id spans a group, and a state of every linear layer takes one page id
+per linear-layer group (3 for Qwen3.5-27B), all from one unified pool shared
+with KV pages (see geometry.shared_pool_layout); a state is kept only where a prefill chunk ends on
 a block boundary (chunks are rounded down to whole pages, the last one
 excepted) and at the prompt tail (the last page boundary before the final
 token); a finished request's pages go back to one LRU, attention pages
 first, then state pages, each group tail first, as vLLM's coordinator frees
 its managers in group order. What it leaves out: the kernels, the exact
-page-size arithmetic (pages here are whole multiples of the replay's block
-size), and the cost of the tail cut. It reads the same prompts as the core
+page size (rounded up to a whole multiple of the replay's block size, e.g.
+448 instead of vLLM's 400 tokens for Qwen3.5-27B, so pages hold whole
+blocks), and the cost of the tail cut. It reads the same prompts as the core
 (block hashes of `block_size` tokens) and groups them into pages, so both
 see identical content.
 """
@@ -25,10 +28,13 @@ _STATE_SALT = 0x5A5A_5A5A_5A5A_5A5A
 
 
 class AlignEmulationManager:
-    def __init__(self, num_pages: int, page_tokens: int, block_size: int, max_num_seqs: int) -> None:
+    def __init__(self, num_pages: int, page_tokens: int, block_size: int, max_num_seqs: int,
+                 pages_per_state: int = 1) -> None:
+        self.pages_per_state = pages_per_state
         if page_tokens % block_size:
             raise ValueError(f"page size {page_tokens} must be a multiple of the block size {block_size}")
-        self._state_keys: set = set()
+        self._state_keys: dict = {}  # page key -> its state's key
+        self._live_states: set = set()
         self.pool = KVBlockPool(num_pages, on_drop=self._on_drop)
         self.page = page_tokens
         self.sub = page_tokens // block_size
@@ -50,8 +56,10 @@ class AlignEmulationManager:
         return self._kv_key(req, j) ^ _STATE_SALT
 
     def _on_drop(self, h: int) -> None:
-        if h in self._state_keys:
-            self._state_keys.discard(h)
+        base = self._state_keys.pop(h, None)
+        if base is not None and base in self._live_states:
+            # a state is lost with any of its pages; count it once
+            self._live_states.discard(base)
             self.evicted_states += 1
 
     def admit(self, req):
@@ -65,25 +73,27 @@ class AlignEmulationManager:
         compressed = len(hit_pages)
         usable = 0
         idx = self.pool.hash_to_block
+        k = self.pages_per_state
         for j in range(compressed, 0, -1):
-            if (keys[j - 1] ^ _STATE_SALT) in idx:
+            sk = keys[j - 1] ^ _STATE_SALT
+            if all(sk + g in idx for g in range(k)):
                 usable = j
                 break
-        state_page = idx.get(keys[usable - 1] ^ _STATE_SALT) if usable else None
-        free_hits = sum(1 for b in hit_pages if self.pool.ref_cnt[b] == 0)
-        free_hits += 1 if state_page is not None and self.pool.ref_cnt[state_page] == 0 else 0
-        # KV pages of the prompt plus one working state page
-        need_new = n_pages - compressed + 1
+        state_pages = ([idx[(keys[usable - 1] ^ _STATE_SALT) + g] for g in range(k)]
+                       if usable else [])
+        free_hits = sum(1 for b in hit_pages + state_pages if self.pool.ref_cnt[b] == 0)
+        # KV pages of the prompt plus the working state's pages
+        need_new = n_pages - compressed + k
         if need_new > self.pool.num_free - free_hits:
             return None
         self.pool.acquire(hit_pages)
         states = []
-        if state_page is not None:
-            self.pool.acquire([state_page])
-            states.append(state_page)
+        if state_pages:
+            self.pool.acquire(state_pages)
+            states += state_pages
             self.reads += 1
         kv_pages = hit_pages + self.pool.allocate(n_pages - compressed)
-        states += self.pool.allocate(1)
+        states += self.pool.allocate(k)
         self._pages[req.request_id] = (kv_pages, states)
         hit = usable * P
         req.hit_tokens = hit
@@ -142,11 +152,13 @@ class AlignEmulationManager:
         req.num_computed = end
         if end % P == 0 and end < req.prompt_len + 1 and (end // P) * self.sub <= len(req.block_hashes):
             skey = self._state_key(req, end // P - 1)
-            if skey not in self.pool.hash_to_block and self.pool.num_free > 0:
-                page = self.pool.allocate(1)[0]
-                self.pool.commit(page, skey, 0, skey)
-                self._state_keys.add(skey)
-                states.append(page)
+            k = self.pages_per_state
+            if skey not in self.pool.hash_to_block and self.pool.num_free >= k:
+                for g, page in enumerate(self.pool.allocate(k)):
+                    self.pool.commit(page, skey + g, 0, skey + g)
+                    self._state_keys[skey + g] = skey
+                    states.append(page)
+                self._live_states.add(skey)
                 self.writes += 1
         if end == req.prompt_len:
             # blocks of a partial last page stay uncached, as in vLLM

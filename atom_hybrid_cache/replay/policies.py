@@ -1,8 +1,9 @@
 """The policies a replay compares, each built for the same byte budget.
 
 - default: this project's placement and eviction, as shipped;
-- simple: prompt-end anchor + demand rung under plain LRU (what a first
-  implementation does; shows what the reuse-aware parts buy);
+- simple: prompt-end anchor (the plain formula, no margin) + demand rung
+  under plain LRU (what a first implementation does; shows what the
+  reuse-aware parts, the margin and the insurance buy);
 - ladder-8192: rungs every 8192 tokens only, plain LRU;
 - no-state-cache: checkpointing off (the zero line: no hybrid hit at all);
 - kv-only-ceiling: a free state at every block boundary with the default's
@@ -29,6 +30,7 @@ class PolicySpec:
     cache: Optional[CacheConfig]  # None for the emulation
     page_tokens: int = 0  # emulation only
     num_pages: int = 0    # emulation only
+    pages_per_state: int = 1  # emulation only
 
 
 def parse_policy_names(text: str) -> list[str]:
@@ -45,7 +47,10 @@ def parse_policy_names(text: str) -> list[str]:
 
 def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_bytes: int,
                    budget_bytes: int, block_size: int, max_num_seqs: int, num_spec: int,
-                   headroom_slots: int, base_placement: PlacementConfig) -> list[PolicySpec]:
+                   headroom_slots: int, base_placement: PlacementConfig,
+                   align_layout=None) -> list[PolicySpec]:
+    """`align_layout`: geometry.SharedPoolLayout for the vllm-align emulation
+    (computed with page_tokens_multiple=block_size)."""
     live = max_num_seqs * (1 + num_spec)
     block_bytes = kv_bytes_per_token * block_size
 
@@ -73,18 +78,21 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
             specs.append(PolicySpec(name, cfg(dataclasses.replace(base_placement, interval_tokens=0), 0)))
         elif name == "ladder-8192":
             p = PlacementConfig(interval_tokens=8192, demand=False, anchor=False, eviction="lru",
-                                cut_backoff=0.0, fallback_fractions=())
+                                cut_backoffs=(), fallback_fractions=(), insure_recompute_tokens=0)
             specs.append(PolicySpec(name, cfg(p, headroom_slots)))
         elif name == "simple":
             p = PlacementConfig(interval_tokens=-1, demand=True, anchor=True, anchor_margin_tokens=0,
-                                eviction="lru", cut_backoff=0.0, fallback_fractions=())
+                                eviction="lru", cut_backoffs=(), fallback_fractions=(),
+                                insure_recompute_tokens=0)
             specs.append(PolicySpec(name, cfg(p, headroom_slots)))
         elif name == "vllm-align":
-            # One page must hold one state slot; pages are whole blocks.
-            per_page = -(-state_slot_bytes // block_bytes)
-            page_tokens = per_page * block_size
-            pages = budget_bytes // (page_tokens * kv_bytes_per_token)
-            specs.append(PolicySpec(name, None, page_tokens=page_tokens, num_pages=int(pages)))
+            if align_layout is None:
+                raise ValueError("the vllm-align emulation needs the model's shared pool layout")
+            lay = align_layout
+            if lay.pages_per_kv_block != 1:
+                raise ValueError("the vllm-align emulation supports one attention group only")
+            specs.append(PolicySpec(name, None, page_tokens=lay.block_size_tokens,
+                                    num_pages=lay.num_pages, pages_per_state=lay.pages_per_state_slot))
         else:
             raise ValueError(f"unknown policy {name!r}")
     return specs

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from ..config import CacheConfig, PlacementConfig
+from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig
 from ..core.manager import HybridCacheManager, Request
 from .align_emulation import AlignEmulationManager
 from .policies import PolicySpec, build_policies, parse_policy_names
@@ -17,10 +17,6 @@ from .simulator import SimSettings, SimTotals, simulate
 
 GIB = 1 << 30
 
-# Checkpoint-only slots per request slot when --state-checkpoint-slots is
-# not given. Enough for each conversation's anchor, its cut checkpoint and a
-# fallback; more costs KV blocks than it saves (see BENCHMARKS.md's sweep).
-DEFAULT_HEADROOM_PER_SEQ = 3
 
 
 def default_headroom(max_num_seqs: int) -> int:
@@ -40,11 +36,13 @@ _WORKLOAD: Optional[Workload] = None  # shared with forked workers
 def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, SimTotals, dict]:
     s = workload.settings
     if spec.cache is None:
-        mgr = AlignEmulationManager(spec.num_pages, spec.page_tokens, s.block_size, s.concurrency)
+        mgr = AlignEmulationManager(spec.num_pages, spec.page_tokens, s.block_size, s.concurrency,
+                                    spec.pages_per_state)
         make = _make_request
         totals = simulate(workload.conversations, workload.source, mgr, make, s, progress)
         extra = dict(fates=mgr.fates(), writes=mgr.writes, kv_blocks=spec.num_pages,
-                     state_slots=0, page_tokens=spec.page_tokens, stats=mgr.stats.as_dict())
+                     state_slots=0, page_tokens=spec.page_tokens,
+                     pages_per_state=spec.pages_per_state, stats=mgr.stats.as_dict())
         return spec.name, totals, extra
     # The replay keeps every hash it saw so `reusable` is exact, and
     # checks the stats nesting strictly.
@@ -139,7 +137,10 @@ def load_workload(args) -> tuple[Workload, object]:
         if v is not None:
             overrides[name] = v
     geometry = geometry_from_args(args.model, **overrides)
-    paths = list(args.traces) or default_sample_paths()
+    # The default run is the agentic workload this project is built for:
+    # the embedded cc traces. The Mooncake excerpt (independent requests
+    # sharing prefixes, no resume pattern) is there to be named explicitly.
+    paths = list(args.traces) or [p for p in default_sample_paths() if p.endswith(".json")]
     conversations = load_traces(paths)
     settings = SimSettings(concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
                            block_size=args.block_size, max_model_len=geometry.max_model_len,
@@ -157,13 +158,16 @@ def placement_from_args(args) -> PlacementConfig:
 def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[str],
             headroom: Optional[int], placement: PlacementConfig, num_spec: int = 0,
             jobs: int = 2, show_progress: bool = False) -> list[PolicyResult]:
+    from .geometry import shared_pool_layout
     s = workload.settings
+    budget = int(memory_gib * GIB)
+    layout = shared_pool_layout(geometry, budget, page_tokens_multiple=s.block_size)
     specs = build_policies(
         policies, kv_bytes_per_token=geometry.kv_bytes_per_token,
         state_slot_bytes=geometry.state_slot_bytes, budget_bytes=int(memory_gib * GIB),
         block_size=s.block_size, max_num_seqs=s.concurrency, num_spec=num_spec,
         headroom_slots=default_headroom(s.concurrency) if headroom is None else headroom,
-        base_placement=placement)
+        base_placement=placement, align_layout=layout)
     runs = run_specs(specs, workload, jobs, show_progress)
     return to_results(runs, s)
 
