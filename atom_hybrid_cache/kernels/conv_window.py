@@ -47,6 +47,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Te
     if initial_window is None:
         initial_window = x.new_zeros(D, W - 1)
     history = torch.cat([initial_window.float(), x.float().transpose(0, 1)], dim=1)  # [D, W-1+T]
+    if T == 0:
+        return ConvResult(x.clone(), initial_window.clone())
     y = F.conv1d(history[None], weight.float()[:, None, :],
                  None if bias is None else bias.float(), groups=D)[0]            # [D, T]
     if activation == "silu":

@@ -50,8 +50,12 @@ def merge_attn_states_ref(prefix_output: torch.Tensor, prefix_lse: torch.Tensor,
 
 
 if HAS_TRITON:
-    # num_tokens changes with every batch: never a specialisation key.
-    @triton.jit(do_not_specialize=["num_tokens"])
+    # num_tokens changes with every batch: never a specialisation key. The
+    # tensors are token-indexed and often slices past the decode tokens, so
+    # their alignment changes with the batch as well.
+    @triton.jit(do_not_specialize=["num_tokens"],
+                do_not_specialize_on_alignment=["output", "output_lse", "prefix_output",
+                                                "prefix_lse", "new_output", "new_lse"])
     def merge_attn_states_kernel(
             output, output_lse, prefix_output, prefix_lse, new_output, new_lse,
             num_tokens,

@@ -129,6 +129,9 @@ def store_interior_checkpoints(
     if len(writes) == 0:
         return
     anchor = state_pool if state_pool is not None else conv_pool
+    if writes.row.device != anchor.device:
+        raise ValueError(f"targets on {writes.row.device} but the pool on {anchor.device}: "
+                         "build CheckpointWrites with device=")
     if resolve_backend(backend, anchor) == "triton":
         grid, args, meta = checkpoint_launch(
             writes, cu_seqlens, state_pool=state_pool, chunk_states=chunk_states,
@@ -183,7 +186,14 @@ def _store_checkpoints_torch(writes, cu_seqlens, state_pool, chunk_states, final
 if HAS_TRITON:
     # num_writes changes with every batch: never let Triton specialise on it
     # (a value of 1 or a multiple of 16 would each compile another variant).
-    @triton.jit(do_not_specialize=["num_writes"])
+    # Token-indexed inputs may be slices that start after the batch's decode
+    # tokens, so their alignment changes with the batch too; the pools and
+    # the kernel's own outputs are whole allocations.
+    @triton.jit(do_not_specialize=["num_writes"],
+                do_not_specialize_on_alignment=["write_row", "write_pos", "write_slot",
+                                                "cu_seqlens", "chunk_offsets", "chunk_states",
+                                                "final_state", "k", "v", "g", "beta",
+                                                "conv_x", "conv_init"])
     def store_checkpoints_kernel(
             write_row, write_pos, write_slot, num_writes,
             cu_seqlens, chunk_offsets,

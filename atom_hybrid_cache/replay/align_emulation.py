@@ -147,7 +147,8 @@ class AlignEmulationManager:
         for j in range(start // P, end // P):
             key = self._kv_key(req, j) if (j + 1) * self.sub <= len(req.block_hashes) else None
             if key is not None:
-                self.pool.commit(kv_pages[j], key, 0, key)
+                parent = self._kv_key(req, j - 1) if j else 0
+                self.pool.commit(kv_pages[j], key, parent, key)
                 self._seen.update(req.block_hashes[j * self.sub:(j + 1) * self.sub])
         req.num_computed = end
         if end % P == 0 and end < req.prompt_len + 1 and (end // P) * self.sub <= len(req.block_hashes):

@@ -102,7 +102,6 @@ def to_results(runs, settings: SimSettings) -> list[PolicyResult]:
         hit = _ratio(t.cached_tokens, t.prompt_tokens)
         resumed = t.resumed_hits
         kinds = t.resume_kinds
-        ladder = kinds.get("ladder", 0) + kinds.get("decode", 0)
         results.append(PolicyResult(
             policy=name, hit_rate=hit, ceiling_hit_rate=ceil_hit,
             hit_over_ceiling=_ratio(hit, ceil_hit),
@@ -113,8 +112,8 @@ def to_results(runs, settings: SimSettings) -> list[PolicyResult]:
             prefill_tokens_computed=t.prefill_tokens_computed, prompt_tokens=t.prompt_tokens,
             requests=t.requests, over_context_requests=t.over_context_requests,
             over_context_tokens=t.over_context_tokens,
-            resume_at_prompt_end_share=_ratio(kinds.get("anchor", 0), resumed),
-            resume_at_ladder_rung_share=_ratio(ladder, resumed),
+            resume_at_prompt_end_share=_ratio(t.resumes_at_prompt_end, resumed),
+            resume_at_ladder_rung_share=_ratio(t.resumes_at_ladder_rung, resumed),
             kv_blocks=e["kv_blocks"], state_slots=e["state_slots"], block_size=settings.block_size,
             elapsed_s=t.elapsed_s,
             extra=dict(resume_kinds=kinds, preemptions=t.preemptions,
@@ -198,7 +197,7 @@ def run_replay(args) -> int:
                 if r.policy != "kv-only-ceiling":
                     points.setdefault(r.policy, []).append((slots, r.hit_over_ceiling))
         meta["sweep"] = points
-        plot_sweep(points, args.plot, title + ": hit/ceiling vs checkpoint slots")
+        plot_sweep(points, args.plot, title.replace(", model", "\nmodel") + ": hit/ceiling vs checkpoint slots")
         print(f"sweep plot: {args.plot}")
     if args.json:
         write_json(results, args.json, meta)

@@ -52,6 +52,11 @@ class SimTotals:
     compressed_tokens: int = 0
     resumed_hits: int = 0
     resume_kinds: dict = field(default_factory=dict)
+    # where resumed hits landed, by position: the previous prompt's end (its
+    # last full block boundary, or one block lower when that block changed)
+    # of the same conversation, or a multiple of LADDER_PROBE tokens
+    resumes_at_prompt_end: int = 0
+    resumes_at_ladder_rung: int = 0
     prefill_tokens_computed: int = 0
     decode_tokens: int = 0
     steps: int = 0
@@ -63,12 +68,16 @@ class SimTotals:
     elapsed_s: float = 0.0
 
 
+LADDER_PROBE = 8192
+
+
 class _Live:
     """A request in the simulator: the core's request plus serving state."""
 
-    __slots__ = ("core", "lane", "output_len", "decoded", "admitted_once", "uid")
+    __slots__ = ("core", "lane", "output_len", "decoded", "admitted_once", "uid", "prev_prompt_len")
 
-    def __init__(self, core, lane, output_len, uid):
+    def __init__(self, core, lane, output_len, uid, prev_prompt_len=None):
+        self.prev_prompt_len = prev_prompt_len
         self.core = core
         self.lane = lane
         self.output_len = output_len
@@ -133,8 +142,8 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
                 if not pending or (budget_requests is not None and budget_requests <= 0):
                     lanes[lane] = None
                     return
-                lanes[lane] = cur = [pending.popleft(), 0]
-            conv, i = cur
+                lanes[lane] = cur = [pending.popleft(), 0, None]
+            conv, i, prev_len = cur
             cur[1] += 1
             tr = conv.requests[i]
             if tr.prompt_len + tr.output_len > settings.max_model_len:
@@ -149,7 +158,8 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             tuples, hashes, prompt_len = hasher.blocks(conv, i)
             uid += 1
             core = make_request((conv.conversation_id, i), prompt_len, hashes, list(tuples))
-            waiting.append(_Live(core, lane, max(1, tr.output_len), uid))
+            cur[2] = prompt_len
+            waiting.append(_Live(core, lane, max(1, tr.output_len), uid, prev_len))
             return
 
     for lane in range(settings.concurrency):
@@ -225,6 +235,12 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
                     totals.resumed_hits += 1
                     k = adm.resume_kind
                     totals.resume_kinds[k] = totals.resume_kinds.get(k, 0) + 1
+                    hit = adm.hit_tokens
+                    p = live.prev_prompt_len
+                    if p is not None and hit in ((p - 1) // B * B, (p - 1) // B * B - B):
+                        totals.resumes_at_prompt_end += 1
+                    if hit % LADDER_PROBE == 0:
+                        totals.resumes_at_ladder_rung += 1
             n = manager.next_chunk(live.core, budget)
             manager.prefill_done(live.core, n)
             totals.prefill_tokens_computed += n

@@ -12,17 +12,33 @@ Fixtures:
 * ``tiny_model_path`` (session): folder of the tiny model, built once and
   cached (see ``tiny_model.py``; ``$ATOM_TEST_MODEL_CACHE`` moves the cache).
 * ``vllm_cpu_env`` (session): the environment variables that keep vLLM small
-  and quiet on a 2-core machine, applied to ``os.environ`` (read by the engine
-  core process at start-up).
-* ``llm_kwargs``: keyword arguments for ``vllm.LLM`` that start in about half a
-  minute on 2 cores; override any of them per test.
+  and quiet on a 2-core machine, applied to ``os.environ`` (setdefault: an
+  exported value wins). Among them ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the
+  engine core runs inside the test process, which starts in ~5 s instead of
+  ~35 s (no spawned engine-core and worker processes re-importing vLLM) and
+  lets a test reach the scheduler, the KV cache manager and the model through
+  ``llm.llm_engine.engine_core.engine_core``. Tests of the multiprocess path
+  (what ``vllm serve`` runs) must say so: ``make_llm(multiprocess=True)``.
+* ``llm_kwargs``: keyword arguments for ``vllm.LLM`` (model included) that
+  keep start-up and memory small on 2 cores; override any of them per test.
+* ``make_llm``: factory ``make_llm(**overrides) -> vllm.LLM``; every engine it
+  made is shut down when the test ends.
+* ``tiny_llm`` (module): one in-process ``vllm.LLM`` with ``LLM_KWARGS``,
+  shared by the tests of a module.
+
+Start-up measured on the 2-core machine (loaded by other work): import vllm
+15-20 s, then ``LLM()`` 5-7 s in-process (35-50 s with the engine-core
+process), and a first ``generate`` of 4-7 s (kernel warm-up); later 600-token
+prompts take 0.2-0.6 s each.
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import os
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +53,10 @@ from tiny_model import build_tiny_qwen3_next  # noqa: E402
 # Environment for vLLM on a small CPU-only machine. setdefault: a value
 # exported by the caller wins.
 VLLM_CPU_ENV: dict[str, str] = {
-    # KV cache (and, for hybrid models, the mamba state pool), GiB. The tiny
-    # model needs a few MiB; the default (4 GiB) only costs start-up time.
+    # KV cache (and, for hybrid models, the mamba state pool), whole GiB
+    # (platforms/cpu.py:324 turns it into kv_cache_memory_bytes; unset, vLLM
+    # sizes the pool from free RAM). The tiny model needs a few MiB; for small
+    # pools pass kv_cache_memory_bytes= or num_gpu_blocks_override= to LLM.
     "VLLM_CPU_KVCACHE_SPACE": "1",
     # One OpenMP thread per core; "auto" binds by NUMA node and warns on
     # containers without NUMA information.
@@ -49,6 +67,8 @@ VLLM_CPU_ENV: dict[str, str] = {
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    # Engine core in the test process (see the module docstring).
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
 }
 
 # vllm.LLM(...) settings that keep start-up and memory small on 2 cores.
@@ -58,8 +78,11 @@ LLM_KWARGS: dict[str, Any] = {
     "max_num_seqs": 4,
     "max_num_batched_tokens": 2048,
     "enforce_eager": True,           # no torch.compile / graph capture: ~2x faster start
-    "enable_prefix_caching": True,
+    "enable_prefix_caching": True,   # mamba_cache_mode becomes "align"
     "seed": 0,
+    # The CPU GDN kernel requires bfloat16 ("CPU GDN attention requires BF16").
+    # block_size: the tiny model keeps the CPU default of 128 (see
+    # tiny_model.TINY_CONFIG); pass block_size=64 for finer blocks.
 }
 
 
@@ -77,6 +100,8 @@ def vllm_import_error() -> str | None:
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "e2e: end-to-end test that runs vLLM (CPU) on the tiny model")
+    config.addinivalue_line(
+        "markers", "slow: e2e test that starts vLLM's engine-core process (~1 min)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config,
@@ -108,3 +133,55 @@ def tiny_model_path() -> Path:
 @pytest.fixture
 def llm_kwargs(vllm_cpu_env, tiny_model_path) -> dict[str, Any]:
     return {"model": str(tiny_model_path), **LLM_KWARGS}
+
+
+def _shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # best effort: the engine may already be gone
+        pass
+
+
+def _new_llm(model_path: Path, multiprocess: bool = False, **overrides):
+    import vllm
+    import vllm.envs
+
+    # vLLM caches its environment once an engine starts (enable_envs_cache);
+    # drop that cache so this engine reads the variable set below.
+    if hasattr(vllm.envs, "disable_envs_cache"):
+        vllm.envs.disable_envs_cache()
+    key = "VLLM_ENABLE_V1_MULTIPROCESSING"
+    saved = os.environ.get(key)
+    os.environ[key] = "1" if multiprocess else "0"
+    try:
+        return vllm.LLM(**{"model": str(model_path), **LLM_KWARGS, **overrides})
+    finally:
+        if saved is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = saved
+
+
+@pytest.fixture
+def make_llm(vllm_cpu_env, tiny_model_path) -> Iterator[Callable[..., Any]]:
+    made = []
+
+    def factory(multiprocess: bool = False, **overrides):
+        llm = _new_llm(tiny_model_path, multiprocess=multiprocess, **overrides)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        _shutdown(llm)
+    made.clear()
+    gc.collect()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(vllm_cpu_env, tiny_model_path):
+    llm = _new_llm(tiny_model_path)
+    yield llm
+    _shutdown(llm)
+    del llm
+    gc.collect()

@@ -66,10 +66,18 @@ TINY_CONFIG: dict[str, Any] = {
         "linear_attention", "linear_attention", "linear_attention", "full_attention",
     ],
     "full_attention_interval": 4,
-    # full attention: 2 query heads (with output gate), 1 KV head of 128
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "head_dim": 128,
+    # full attention: 4 query heads (with output gate), 4 KV heads of 256.
+    # Sized for vLLM's hybrid block alignment, which raises the attention
+    # block until one block's KV bytes cover a GDN state page: here KV is
+    # 4 x 256 x 2 (K, V) x 2 B = 4 KiB per token, and a GDN state page is
+    # 131 KiB (conv 512 x 3 bf16 + SSM 2 x 128 x 128 fp32 on CPU), so any block
+    # size >= 64 (a multiple of 32) is kept as is: the CPU default 128, or an
+    # explicit 64. (With 1 KV head of 128 it would be raised to 384, and the
+    # CPU engine-core process then splits prefill chunks on the wrong block
+    # size: see docs/vllm_032_notes.md.)
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
     "partial_rotary_factor": 0.25,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                         "partial_rotary_factor": 0.25},

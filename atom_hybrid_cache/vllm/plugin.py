@@ -1,0 +1,64 @@
+"""Entry point of the `vllm.general_plugins` group.
+
+vLLM loads general plugins in every process it starts (front end, engine
+core, workers), so `register()` must be idempotent and cheap. It acts only
+when the user asked for this plugin by name (`VLLM_PLUGINS=atom_hybrid_cache`):
+vLLM loads every installed plugin when VLLM_PLUGINS is unset, and an installed
+but not enabled plugin must leave vLLM exactly as it is.
+
+What it does today: parse and validate every `ATOM_*` setting, so a bad value
+stops start-up with a message naming the variable, and log the effective
+settings once. The scheduler-side manager and the worker-side metadata
+register here as they land (see the vLLM plugin issue).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from ..config import ENV_VARS, CacheConfig, ConfigError, PlacementConfig, apply_env
+
+PLUGIN_NAME = "atom_hybrid_cache"
+
+logger = logging.getLogger("atom_hybrid_cache")
+
+_registered: Optional[PlacementConfig] = None
+
+
+def enabled(environ=None) -> bool:
+    """True when VLLM_PLUGINS names this plugin explicitly."""
+    env = os.environ if environ is None else environ
+    names = [n.strip() for n in env.get("VLLM_PLUGINS", "").split(",")]
+    return PLUGIN_NAME in names
+
+
+def settings_from_env(environ=None) -> PlacementConfig:
+    """The placement settings with exported ATOM_* variables applied.
+    Raises ConfigError naming the offending variable."""
+    # The pool sizes come from vLLM later; a nominal config carries the
+    # variables through the same parser and validator the core uses.
+    return apply_env(CacheConfig(), environ).placement
+
+
+def register() -> None:
+    global _registered
+    if not enabled():
+        return
+    if _registered is not None:
+        return
+    try:
+        placement = settings_from_env()
+    except ConfigError as e:
+        # Fail start-up loudly: a typo must not silently fall back.
+        raise ConfigError(f"atom_hybrid_cache: {e}") from None
+    _registered = placement
+    exported = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
+    logger.info("atom_hybrid_cache enabled (pid %d); settings %s; from environment: %s",
+                os.getpid(), placement, exported or "none")
+
+
+def _reset_for_tests() -> None:
+    global _registered
+    _registered = None

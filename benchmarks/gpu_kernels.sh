@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# One-shot GPU check of atom_hybrid_cache.kernels: the kernel tests with the
+# Triton kernels compiled for the GPU (no interpreter) and fla's forward
+# included, then the chunk forward timed with and without interior
+# checkpoint extraction, against the cut prefill it replaces.
+#
+# Needs a CUDA torch already installed (install it first: the extra below
+# does not pull torch), then:  pip install -e '.[kernels,test]'
+# Usage: benchmarks/gpu_kernels.sh [OUT_DIR]   (default: $OUT or ./bench-out)
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${1:-${OUT:-bench-out}}"
+mkdir -p "$out"
+
+python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else "no CUDA GPU")'
+unset TRITON_INTERPRET
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
+
+python3 -m pytest -q tests/kernels 2>&1 | tee "$out/tests.txt"
+python3 -m atom_hybrid_cache.kernels.bench --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"

@@ -1,0 +1,187 @@
+"""Compiles every Triton kernel of atom_hybrid_cache.kernels ahead of time for
+GPU targets (no GPU needed) at several batch compositions, and reports how
+many compiled variants each needs. Run by test_kernel_hygiene.py in a fresh
+interpreter without TRITON_INTERPRET (kernels must be real JIT functions).
+
+A kernel's variant is decided by Triton's JIT cache key: the specialisation
+of every argument (an int equal to 1 becomes a constant, an int or pointer
+divisible by 16 gets another key, constexprs are baked in). The probe builds
+the real launch arguments with each kernel's own launch builder, computes
+the key exactly as the runtime would for that target, and compiles each
+distinct key. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import pkgutil
+import re
+import sys
+import tempfile
+import textwrap
+import time
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+import atom_hybrid_cache.kernels as kernels_pkg
+from atom_hybrid_cache.kernels._triton import DEVICE_FUNCTIONS
+from atom_hybrid_cache.kernels.merge_attn_states import merge_attn_states_launch
+from atom_hybrid_cache.kernels.state_checkpoint import CheckpointWrites, checkpoint_launch
+
+TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
+
+
+# -- batch compositions ------------------------------------------------------
+
+# (row lengths, targets, decode tokens before the prefill rows): counts equal
+# to 1, multiples of 16 and others, token slices at odd offsets.
+CHECKPOINT_BATCHES = [([5], 1, 0), ([160, 64, 33], 5, 1), ([64] * 16, 16, 3),
+                      ([100, 3], 32, 8), ([17], 7, 13)]
+
+
+def checkpoint_launches(kda: bool, state: bool, conv: bool, H=2, HV=4, K=32, V=32, D=48, W=4):
+    for lens, n_targets, n_decode in CHECKPOINT_BATCHES:
+        T, N = sum(lens), len(lens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        n_chunks = sum(-(-n // 64) for n in lens)
+        rows = [i % N for i in range(n_targets)]
+        writes = CheckpointWrites.from_lists(rows, [lens[r] for r in rows], list(range(n_targets)))
+
+        def tokens(*shape):  # a slice past the decode tokens, as the runner has it
+            return torch.empty(n_decode + T, *shape)[n_decode:]
+        kw = {}
+        if state:
+            kw.update(state_pool=torch.empty(40, HV, K, V, dtype=torch.bfloat16),
+                      chunk_states=torch.empty(n_chunks, HV, K, V),
+                      final_state=torch.empty(N, HV, K, V),
+                      k=tokens(H, K), v=tokens(HV, V), g=tokens(HV, K) if kda else tokens(HV),
+                      beta=tokens(HV), chunk_offsets=torch.zeros(N + 1, dtype=torch.int64))
+        if conv:
+            kw.update(conv_pool=torch.empty(40, D, W - 1, dtype=torch.bfloat16), conv_x=tokens(D),
+                      conv_initial_windows=torch.empty(N, D, W - 1))
+        yield checkpoint_launch(writes, cu, **kw)
+
+
+def merge_launches(H=8, D=128):
+    for n_tokens, n_decode in [(1, 0), (5, 1), (16, 3), (64, 8), (33, 13)]:
+        T = n_decode + n_tokens + 7          # prefill tokens without context follow
+        out = torch.empty(T, H, D, dtype=torch.bfloat16)[n_decode:]
+        lse = torch.empty(H, T)[:, n_decode:]
+        yield merge_attn_states_launch(out, out, lse, out, lse, n_tokens, output_lse=lse)
+
+
+# every launched kernel: name -> {mode: launches}
+CASES = {
+    "store_checkpoints_kernel": {
+        "gdn state+conv": lambda: checkpoint_launches(False, True, True),
+        "kda state+conv": lambda: checkpoint_launches(True, True, True),
+        "gdn state": lambda: checkpoint_launches(False, True, False),
+        "conv": lambda: checkpoint_launches(False, False, True),
+    },
+    "merge_attn_states_kernel": {"merge": merge_launches},
+}
+# the per-batch count of each kernel, for the counter-examples
+BATCH_COUNTS = {"store_checkpoints_kernel": "num_writes", "merge_attn_states_kernel": "num_tokens"}
+
+
+# -- discovery, keys, compilation --------------------------------------------
+
+def package_kernels() -> dict:
+    found = {}
+    for info in pkgutil.iter_modules(kernels_pkg.__path__):
+        mod = importlib.import_module(f"{kernels_pkg.__name__}.{info.name}")
+        for name, obj in vars(mod).items():
+            if isinstance(obj, JITFunction) and obj.fn.__module__ == mod.__name__ \
+                    and name not in DEVICE_FUNCTIONS:
+                found[name] = obj
+    return found
+
+
+def variant_keys(jit: JITFunction, target: GPUTarget, launches) -> list:
+    backend = make_backend(target)
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    keys = {}
+    for _grid, args, meta in launches:
+        bound, spec, options = binder(*args, **meta)
+        keys.setdefault(str(spec) + str(sorted(options.items())), (bound, spec, options))
+    return list(keys.values())
+
+
+def compile_keys(jit: JITFunction, target: GPUTarget, keys) -> list:
+    backend = make_backend(target)
+    out = []
+    for bound, spec, options in keys:
+        opts, signature, constexprs, attrs = jit._pack_args(backend, options, bound, spec, options)
+        k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target,
+                           options=opts.__dict__)
+        out.append(sorted(k.asm))
+    return out
+
+
+def rebuilt(jit: JITFunction, count: str, *, constexpr=False, specialize=False,
+            specialize_alignment=False) -> JITFunction:
+    """The same kernel with its batch count made a constexpr, or specialised
+    on, or with alignment specialisation back on: the counter-examples."""
+    dns = [p for p in jit.do_not_specialize if p != count or not specialize]
+    dnsa = [] if specialize_alignment else list(jit.do_not_specialize_on_alignment)
+    fn = jit.fn
+    if constexpr:
+        src = textwrap.dedent(inspect.getsource(fn))
+        src = src[src.index("def "):]                       # drop the decorator
+        head, body = src.split("):", 1)
+        head = re.sub(rf"\b{count}\b", f"{count}: tl.constexpr", head, count=1)
+        dns = [p for p in dns if p != count]
+        path = os.path.join(tempfile.mkdtemp(), f"constexpr_{fn.__name__}.py")
+        with open(path, "w") as f:
+            f.write(f"import importlib\nglobals().update({{k: v for k, v in vars("
+                    f"importlib.import_module({fn.__module__!r})).items() if not k.startswith('__')}})\n"
+                    f"{head}):{body}")
+        spec = importlib.util.spec_from_file_location(f"constexpr_{fn.__name__}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        fn = getattr(mod, fn.__name__)
+    return JITFunction(fn, do_not_specialize=dns, do_not_specialize_on_alignment=dnsa)
+
+
+def main() -> None:
+    report = {"kernels": {}, "uncovered": [], "counter_examples": {}}
+    found = package_kernels()
+    report["uncovered"] = sorted(set(found) - set(CASES))
+    for name, modes in CASES.items():
+        jit = found[name]
+        per_mode = {}
+        for mode, launches in modes.items():
+            entry = {}
+            for tname, target in TARGETS.items():
+                t0 = time.time()
+                keys = variant_keys(jit, target, launches())
+                entry[tname] = dict(variants=len(keys), compiled=len(compile_keys(jit, target, keys)),
+                                    seconds=round(time.time() - t0, 2))
+            per_mode[mode] = entry
+        report["kernels"][name] = per_mode
+        # counter-examples, on the first mode and the CUDA target
+        mode0 = next(iter(modes.values()))
+        count = BATCH_COUNTS[name]
+        sm90 = TARGETS["sm90"]
+        as_constexpr = rebuilt(jit, count, constexpr=True)
+        keys = variant_keys(as_constexpr, sm90, mode0())
+        report["counter_examples"][name] = dict(
+            constexpr_count=len(keys), constexpr_compiled=len(compile_keys(as_constexpr, sm90, keys)),
+            specialized_count=len(variant_keys(rebuilt(jit, count, specialize=True), sm90, mode0())),
+            specialized_alignment=len(variant_keys(rebuilt(jit, count, specialize_alignment=True),
+                                                   sm90, mode0())),
+            batches=len(list(mode0())))
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        sys.exit("run without TRITON_INTERPRET: the probe compiles real JIT functions")
+    main()
