@@ -215,7 +215,13 @@ def _run_replay(args: argparse.Namespace) -> int:
             raise
         print(f"atom-hybrid-cache replay: {_RUNNER} is not available", file=sys.stderr)
         return 2
-    return int(run_replay(args) or 0)
+    try:
+        return int(run_replay(args) or 0)
+    except (OSError, ValueError) as exc:
+        # Bad input (a trace that does not parse, an unknown policy or model,
+        # a budget too small for the state slots): one line naming it.
+        print(f"atom-hybrid-cache replay: {exc}", file=sys.stderr)
+        return 2
 
 
 def _run_diagnose(args: argparse.Namespace) -> int:

@@ -1,0 +1,72 @@
+"""The replay planner end to end: CLI -> traces -> simulator -> real core
+manager -> table and JSON."""
+
+import json
+
+import pytest
+
+from atom_hybrid_cache.cli import main
+
+
+def _run(tmp_path, *args):
+    out = tmp_path / "r.json"
+    rc = main(["replay", "--no-progress", "--jobs", "1", "--json", str(out), *args])
+    assert rc == 0
+    return {p["policy"]: p for p in json.loads(out.read_text())["policies"]}
+
+
+def test_embedded_sample_all_policies(tmp_path, capsys):
+    res = _run(tmp_path)
+    text = capsys.readouterr().out
+    for name in ("default", "kv-only-ceiling", "no-state-cache", "ladder-8192", "simple", "vllm-align"):
+        assert name in res and name in text
+        for key in ("policy", "hit_rate", "ceiling_hit_rate", "hit_over_ceiling",
+                    "writes_per_resumed_hit", "prefill_tokens_computed"):
+            assert key in res[name]
+    ceiling = res["kv-only-ceiling"]["hit_rate"]
+    assert res["kv-only-ceiling"]["hit_over_ceiling"] == 1.0
+    assert res["no-state-cache"]["hit_rate"] == 0.0
+    for name, r in res.items():
+        assert r["hit_rate"] <= ceiling + 1e-12, name
+        assert r["ceiling_hit_rate"] == ceiling
+        # prompt tokens are the same workload for every policy
+        assert r["prompt_tokens"] == res["default"]["prompt_tokens"]
+        assert r["prefill_tokens_computed"] >= res["kv-only-ceiling"]["prefill_tokens_computed"]
+    # the embedded cc sample: 4 conversations, 23 requests, 535,094 prompt tokens
+    assert res["default"]["requests"] == 23
+    assert res["default"]["prompt_tokens"] == 535_094
+
+
+def test_replay_is_deterministic(tmp_path):
+    a = _run(tmp_path, "--policies", "default")
+    b = _run(tmp_path, "--policies", "default")
+    assert a["default"]["hit_rate"] == b["default"]["hit_rate"]
+    assert a["default"]["fates"] == b["default"]["fates"]
+
+
+def test_over_context_requests_are_counted_apart(tmp_path, capsys):
+    full = _run(tmp_path, "--policies", "default")["default"]
+    short = _run(tmp_path, "--policies", "default", "--max-model-len", "20000")["default"]
+    assert short["over_context_requests"] > 0
+    assert short["requests"] + short["over_context_requests"] == full["requests"]
+    assert short["prompt_tokens"] + short["over_context_tokens"] == full["prompt_tokens"]
+    assert "over-context: " in capsys.readouterr().out
+
+
+def test_sweep_writes_a_png(tmp_path):
+    png = tmp_path / "s.png"
+    rc = main(["replay", "--no-progress", "--jobs", "1", "--policies", "default",
+               "--sweep-slots", "0,8", "--plot", str(png)])
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--policies", "default,bogus"], "--policies"),
+    (["--model", "gpt-7"], "--model"),
+    (["--memory-gib", "0.01"], "--memory-gib"),
+])
+def test_bad_input_exits_2_naming_the_flag(args, flag, capsys):
+    assert main(["replay", "--no-progress", *args]) == 2
+    err = capsys.readouterr().err
+    assert flag in err and "Traceback" not in err
