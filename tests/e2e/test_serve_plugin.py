@@ -1,0 +1,314 @@
+"""`vllm serve` with the plugin enabled (``VLLM_PLUGINS=atom_hybrid_cache``).
+
+Acceptance items 3 and 6 of the vLLM plugin issue:
+
+* the server starts with the plugin, answers the same long prompt twice on
+  ``/v1/completions``, and the second answer reports cached prompt tokens
+  (usage block and ``/metrics``); the server log carries the plugin's
+  "atom_hybrid_cache enabled" line;
+* a bad ``ATOM_*`` value stops start-up, before the model loads, with a
+  message naming the variable.
+
+Every server runs in its own process group (``start_new_session=True``) and
+is killed by group id in a ``finally`` (SIGTERM, then SIGKILL), so neither
+the API server nor vLLM's EngineCore/Worker processes outlive a test.
+
+Times on the 2-core machine: the serve test ~60-110 s (healthy after 45-100 s,
+the two requests ~4 s, shutdown a few s); the bad settings fail at plugin load,
+while ``vllm serve`` builds its argument parser (``AsyncEngineArgs.add_cli_args``
+calls ``load_general_plugins``), i.e. after importing vLLM (~17 s alone). They
+are started together, once per module, so the four cost ~30-40 s in all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tiny_model import NUM_WORDS, words
+
+PLUGIN = "atom_hybrid_cache"
+ENABLED_LINE = "atom_hybrid_cache enabled"
+HEALTH_DEADLINE_S = 300.0      # serve is healthy after 45-100 s here
+REQUEST_TIMEOUT_S = 120.0
+BAD_SETTING_DEADLINE_S = 150.0  # fails in ~17 s alone, ~40 s with four at once
+STOP_GRACE_S = 20.0
+PROMPT_LEN = 600               # words = tokens of the tiny word-level tokenizer
+
+# One direct opener: a proxy from the environment must not see 127.0.0.1.
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+# -- process handling ------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_env(vllm_cpu_env: dict[str, str], **extra: str) -> dict[str, str]:
+    """This environment without any ATOM_* variable (the plugin rejects
+    unknown ones, e.g. the tests' own ATOM_TEST_MODEL_CACHE), plus the small
+    CPU settings, the plugin enabled, and vLLM's default multiprocess engine
+    (the fixture's VLLM_ENABLE_V1_MULTIPROCESSING=0 is for in-process tests)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
+    env.update(vllm_cpu_env)
+    env.update({
+        "VLLM_PLUGINS": PLUGIN,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+        "PYTHONUNBUFFERED": "1",          # the log file is current when we read it
+        "VLLM_LOGGING_COLOR": "0",
+    })
+    env.update(extra)
+    return env
+
+
+def _serve_cmd(model: Path, port: int) -> list[str]:
+    # `python -m vllm.entrypoints.cli.main` is what the `vllm` script runs,
+    # without depending on where pip put that script.
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+            "--host", "127.0.0.1", "--port", str(port),
+            "--served-model-name", "tiny",
+            "--dtype", "bfloat16", "--enforce-eager",
+            "--max-model-len", "2048", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "2048",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--seed", "0"]
+
+
+def _start_serve(model: Path, port: int, env: dict[str, str], log_path: Path
+                 ) -> subprocess.Popen:
+    with open(log_path, "wb") as log:        # the child keeps its own descriptor
+        return subprocess.Popen(_serve_cmd(model, port), env=env, stdin=subprocess.DEVNULL,
+                                stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of the group; falls back to killpg(0)
+    where /proc is missing."""
+    proc_dir = Path("/proc")
+    if not proc_dir.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    members = []
+    for entry in proc_dir.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+        fields = stat[stat.rindex(")") + 2:].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
+    """SIGTERM the whole process group, wait up to `grace` seconds for every
+    member to go, then SIGKILL what is left; reaps the leader."""
+    pgid = proc.pid                           # start_new_session: leader pid == pgid
+    for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            pass
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            proc.poll()                       # reap the leader so it is not a member
+            if not _group_members(pgid):
+                break
+            time.sleep(0.2)
+        else:
+            continue                          # still alive: escalate
+        break
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:         # pragma: no cover - unkillable
+        pass
+
+
+def _tail(path: Path, n: int = 6000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "<no log>"
+    return text[-n:]
+
+
+# -- HTTP ------------------------------------------------------------------
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> float:
+    t0 = time.monotonic()
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited with {proc.returncode} before it was healthy; "
+                        f"log tail:\n{_tail(log_path)}")
+        try:
+            with _HTTP.open(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return time.monotonic() - t0
+        except OSError:                       # refused, 503 while starting, timeout
+            pass
+        if time.monotonic() - t0 > HEALTH_DEADLINE_S:
+            pytest.fail(f"vllm serve not healthy after {HEALTH_DEADLINE_S:.0f} s; "
+                        f"log tail:\n{_tail(log_path)}")
+        time.sleep(1.0)
+
+
+def _complete(url: str, prompt: str) -> dict:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4,
+                       "temperature": 0, "ignore_eos": True}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with _HTTP.open(req, timeout=REQUEST_TIMEOUT_S) as r:
+        return json.load(r)
+
+
+def _cached_tokens(answer: dict) -> int:
+    details = answer["usage"].get("prompt_tokens_details") or {}
+    return details.get("cached_tokens") or 0
+
+
+def _metric_total(metrics: str, name: str) -> float:
+    """Sum of a counter over its label sets (None when it is absent)."""
+    values = [float(line.rsplit(None, 1)[1]) for line in metrics.splitlines()
+              if line.startswith(name + "{") or line.startswith(name + " ")]
+    return sum(values) if values else None
+
+
+# -- 3. serve with the plugin caches the second answer ---------------------
+
+@pytest.mark.slow
+def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_env,
+                                                    tmp_path, record_property):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    rng = random.Random(0)
+    prompt = words(rng.randrange(NUM_WORDS) for _ in range(PROMPT_LEN))
+
+    t0 = time.monotonic()
+    proc = _start_serve(tiny_model_path, port, _serve_env(vllm_cpu_env), log_path)
+    try:
+        healthy_s = _wait_healthy(proc, url, log_path)
+        record_property("healthy_s", round(healthy_s, 1))
+
+        first = _complete(url, prompt)
+        second = _complete(url, prompt)
+        assert first["usage"]["prompt_tokens"] == PROMPT_LEN, first["usage"]
+        assert _cached_tokens(first) == 0, first["usage"]
+        # block 128: the resend resumes from the state at floor(599/128)*128 = 512
+        assert 0 < _cached_tokens(second) < PROMPT_LEN, second["usage"]
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]   # greedy
+
+        # The Prometheus counters are fed by the same stats; allow them a moment.
+        hits = cached = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            with _HTTP.open(url + "/metrics", timeout=10) as r:
+                metrics = r.read().decode()
+            hits = _metric_total(metrics, "vllm:prefix_cache_hits_total")
+            cached = _metric_total(metrics, "vllm:prompt_tokens_cached_total")
+            if (hits or 0) > 0:
+                break
+            time.sleep(0.5)
+        assert (hits or 0) > 0 or (cached or 0) > 0, (hits, cached)
+        record_property("cached_tokens", _cached_tokens(second))
+        record_property("prefix_cache_hits_total", hits)
+
+        # The plugin ran inside the server: the front end (our child), and
+        # vLLM's engine-core and worker processes each log the line once.
+        log = log_path.read_text(errors="replace")
+        pids = {int(p) for p in re.findall(re.escape(ENABLED_LINE) + r" \(pid (\d+)\)", log)}
+        assert pids, f"no {ENABLED_LINE!r} line in the server log; tail:\n{_tail(log_path)}"
+        assert proc.pid in pids, (proc.pid, pids)
+        assert len(pids) >= 2, f"plugin logged only by {pids}: not in the engine processes"
+        record_property("plugin_pids", sorted(pids))
+    finally:
+        _stop_group(proc)
+        record_property("total_s", round(time.monotonic() - t0, 1))
+    assert not _group_members(proc.pid), "server processes left behind"
+
+
+# -- 6. bad settings stop start-up, naming the variable --------------------
+
+BAD_SETTINGS = {
+    "unknown-value": ("ATOM_STATE_CHECKPOINT_DEMAND", "maybe"),
+    "unparseable-interval": ("ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS", "lots"),
+    "negative-slots": ("ATOM_STATE_CHECKPOINT_SLOTS", "-4"),
+    "unknown-variable": ("ATOM_STATE_CHECKPOINT_INTERVALL_TOKENS", "4096"),
+}
+
+
+@dataclass
+class BadRun:
+    returncode: int | None       # None: still running at the deadline (killed)
+    elapsed_s: float
+    output: str
+
+
+@pytest.fixture(scope="module")
+def bad_setting_runs(tiny_model_path, vllm_cpu_env, tmp_path_factory) -> dict[str, BadRun]:
+    """Start `vllm serve` once per bad setting, all at once (each fails while
+    importing vLLM's CLI, so running them together halves the wall time),
+    and collect exit status, time to exit and output."""
+    logdir = tmp_path_factory.mktemp("bad_settings")
+    procs: dict[str, tuple[subprocess.Popen, Path, float]] = {}
+    runs: dict[str, BadRun] = {}
+    try:
+        for case, (var, value) in BAD_SETTINGS.items():
+            log_path = logdir / f"{case}.log"
+            env = _serve_env(vllm_cpu_env, **{var: value})
+            procs[case] = (_start_serve(tiny_model_path, _free_port(), env, log_path),
+                           log_path, time.monotonic())
+        deadline = time.monotonic() + BAD_SETTING_DEADLINE_S
+        while time.monotonic() < deadline and any(p.poll() is None for p, _, _ in procs.values()):
+            for case, (p, log_path, t0) in procs.items():
+                if case not in runs and p.poll() is not None:
+                    runs[case] = BadRun(p.returncode, time.monotonic() - t0, "")
+            time.sleep(0.2)
+    finally:
+        for case, (p, log_path, t0) in procs.items():
+            if p.poll() is None:
+                runs.setdefault(case, BadRun(None, time.monotonic() - t0, ""))
+            elif case not in runs:
+                runs[case] = BadRun(p.returncode, time.monotonic() - t0, "")
+            _stop_group(p, grace=5.0)
+            runs[case].output = _tail(log_path, 20000)
+    return runs
+
+
+@pytest.mark.parametrize("case", list(BAD_SETTINGS))
+def test_bad_setting_stops_serve_naming_the_variable(bad_setting_runs, case, record_property):
+    var, value = BAD_SETTINGS[case]
+    run = bad_setting_runs[case]
+    record_property("exit_s", round(run.elapsed_s, 1))
+    tail = run.output[-4000:]
+    assert run.returncode is not None, \
+        f"{var}={value}: vllm serve still running after {BAD_SETTING_DEADLINE_S:.0f} s:\n{tail}"
+    assert run.returncode != 0, f"{var}={value}: exit status 0:\n{tail}"
+    assert "ConfigError" in run.output, tail
+    assert var in run.output, f"the output does not name {var}:\n{tail}"
+    # It stopped at plugin load, before any engine or model work.
+    assert "Starting to load model" not in run.output, tail
+    assert "EngineCore" not in run.output, tail
