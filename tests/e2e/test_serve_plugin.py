@@ -92,10 +92,12 @@ def _serve_cmd(model: Path, port: int) -> list[str]:
 
 def _start_serve(model: Path, port: int, env: dict[str, str], log_path: Path
                  ) -> subprocess.Popen:
+    # cwd: the log's folder, not the checkout, whose folder `python -m` would
+    # put first on sys.path (the installed package is what vLLM should load).
     with open(log_path, "wb") as log:        # the child keeps its own descriptor
-        return subprocess.Popen(_serve_cmd(model, port), env=env, stdin=subprocess.DEVNULL,
-                                stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        return subprocess.Popen(_serve_cmd(model, port), env=env, cwd=log_path.parent,
+                                stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -199,8 +201,7 @@ def _metric_total(metrics: str, name: str) -> float:
 # -- 3. serve with the plugin caches the second answer ---------------------
 
 @pytest.mark.slow
-def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_env,
-                                                    tmp_path, record_property):
+def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_env, tmp_path):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
@@ -211,7 +212,7 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
     proc = _start_serve(tiny_model_path, port, _serve_env(vllm_cpu_env), log_path)
     try:
         healthy_s = _wait_healthy(proc, url, log_path)
-        record_property("healthy_s", round(healthy_s, 1))
+        print(f"vllm serve healthy after {healthy_s:.1f} s")
 
         first = _complete(url, prompt)
         second = _complete(url, prompt)
@@ -233,8 +234,8 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
                 break
             time.sleep(0.5)
         assert (hits or 0) > 0 or (cached or 0) > 0, (hits, cached)
-        record_property("cached_tokens", _cached_tokens(second))
-        record_property("prefix_cache_hits_total", hits)
+        print(f"cached_tokens {_cached_tokens(first)} then {_cached_tokens(second)}; "
+              f"prefix_cache_hits_total {hits}, prompt_tokens_cached_total {cached}")
 
         # The plugin ran inside the server: the front end (our child), and
         # vLLM's engine-core and worker processes each log the line once.
@@ -243,10 +244,15 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         assert pids, f"no {ENABLED_LINE!r} line in the server log; tail:\n{_tail(log_path)}"
         assert proc.pid in pids, (proc.pid, pids)
         assert len(pids) >= 2, f"plugin logged only by {pids}: not in the engine processes"
-        record_property("plugin_pids", sorted(pids))
+        # vLLM prefixes the lines of its child processes: "(EngineCore pid=N)",
+        # "(VllmWorker-0 pid=N)"; the front end's line comes before vLLM has
+        # set up its logging (see the plugin) and has no prefix.
+        roles = [m.group(1) or "front end" for m in re.finditer(
+            r"^(?:\(([\w-]+) pid=\d+\) )?.*" + re.escape(ENABLED_LINE), log, re.M)]
+        print(f"plugin enabled in pids {sorted(pids)}: {roles}")
     finally:
         _stop_group(proc)
-        record_property("total_s", round(time.monotonic() - t0, 1))
+        print(f"serve test: {time.monotonic() - t0:.1f} s including shutdown")
     assert not _group_members(proc.pid), "server processes left behind"
 
 
@@ -299,10 +305,10 @@ def bad_setting_runs(tiny_model_path, vllm_cpu_env, tmp_path_factory) -> dict[st
 
 
 @pytest.mark.parametrize("case", list(BAD_SETTINGS))
-def test_bad_setting_stops_serve_naming_the_variable(bad_setting_runs, case, record_property):
+def test_bad_setting_stops_serve_naming_the_variable(bad_setting_runs, case):
     var, value = BAD_SETTINGS[case]
     run = bad_setting_runs[case]
-    record_property("exit_s", round(run.elapsed_s, 1))
+    print(f"{var}={value}: exit status {run.returncode} after {run.elapsed_s:.1f} s")
     tail = run.output[-4000:]
     assert run.returncode is not None, \
         f"{var}={value}: vllm serve still running after {BAD_SETTING_DEADLINE_S:.0f} s:\n{tail}"
