@@ -57,6 +57,16 @@ class Request:
         if self.num_tokens == 0:
             self.num_tokens = self.prompt_len
 
+    def rewind_to_prompt(self, block_size: int) -> None:
+        """Back to an unscheduled prompt (after a preemption): decoded
+        tokens and the blocks they filled are forgotten."""
+        self.num_computed = 0
+        self.num_tokens = self.prompt_len
+        n_prompt_blocks = self.prompt_len // block_size
+        del self.block_hashes[n_prompt_blocks:]
+        del self.block_tokens[n_prompt_blocks:]
+        self.targets = CheckpointTargets()
+
 
 @dataclass
 class Admission:
@@ -301,12 +311,7 @@ class HybridCacheManager:
         """Give everything back; the request will be admitted again from
         scratch (it then hits whatever it left in the cache)."""
         self.finish(req)
-        req.num_computed = 0
-        req.num_tokens = req.prompt_len
-        n_prompt_blocks = req.prompt_len // self.block_size
-        del req.block_hashes[n_prompt_blocks:]
-        del req.block_tokens[n_prompt_blocks:]
-        req.targets = CheckpointTargets()
+        req.rewind_to_prompt(self.block_size)
 
     # -- diagnostics ---------------------------------------------------
     def _on_kv_drop(self, h: int) -> None:

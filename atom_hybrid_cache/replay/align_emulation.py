@@ -187,11 +187,7 @@ class AlignEmulationManager:
 
     def preempt(self, req) -> None:
         self.finish(req)
-        req.num_computed = 0
-        req.num_tokens = req.prompt_len
-        n = req.prompt_len // self.block_size
-        del req.block_hashes[n:]
-        del req.block_tokens[n:]
+        req.rewind_to_prompt(self.block_size)
 
     def fates(self) -> dict:
         return dict(kept=self.writes, dropped=0, evicted=self.evicted_states, orphaned=0,
