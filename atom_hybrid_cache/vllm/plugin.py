@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Optional
 
 from ..config import ENV_VARS, CacheConfig, ConfigError, PlacementConfig, apply_env
@@ -42,12 +43,49 @@ def settings_from_env(environ=None) -> PlacementConfig:
     return apply_env(CacheConfig(), environ).placement
 
 
+def _ensure_log_handler() -> None:
+    """Make our INFO lines (this plugin's, the manager's) reach the server log.
+
+    Logger "atom_hybrid_cache" has no handler of its own, and vLLM 0.32
+    configures only its "vllm" logger (propagate=False), leaving the root
+    logger bare: our records would fall through to logging's last resort,
+    which prints WARNING and above only. So, unless the application set up
+    logging itself (our logger or the root logger has handlers, e.g. pytest,
+    whose caplog then still sees our records):
+
+    * engine-core and worker processes: vLLM has configured its logging
+      before it loads plugins there; share the "vllm" handlers (same format,
+      stream and level, with vLLM's "(EngineCore pid=N)" prefix);
+    * the API server: `vllm serve` loads plugins while it builds its
+      argument parser, before it configures logging; add a stream handler
+      of our own on stdout (vLLM's default VLLM_LOGGING_STREAM) at INFO.
+    """
+    ours = logging.getLogger(PLUGIN_NAME)
+    if ours.handlers or logging.getLogger().handlers:
+        return
+    vllm_logger = logging.getLogger("vllm")
+    if vllm_logger.handlers:
+        for handler in vllm_logger.handlers:
+            ours.addHandler(handler)
+        level = vllm_logger.getEffectiveLevel()
+    else:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(
+            "%(levelname)s %(asctime)s [%(filename)s:%(lineno)d] %(message)s",
+            datefmt="%m-%d %H:%M:%S"))
+        ours.addHandler(handler)
+        level = logging.INFO
+    if ours.level == logging.NOTSET:
+        ours.setLevel(level)
+
+
 def register() -> None:
     global _registered
     if not enabled():
         return
     if _registered is not None:
         return
+    _ensure_log_handler()
     try:
         placement = settings_from_env()
     except ConfigError as e:

@@ -10,7 +10,7 @@ collection itself does not fail where vLLM is missing.
 Fixtures:
 
 * ``tiny_model_path`` (session): folder of the tiny model, built once and
-  cached (see ``tiny_model.py``; ``$ATOM_TEST_MODEL_CACHE`` moves the cache).
+  cached (see ``tiny_model.py``; ``$ATOMHC_TEST_MODEL_CACHE`` moves the cache).
 * ``vllm_cpu_env`` (session): the environment variables that keep vLLM small
   and quiet on a 2-core machine, applied to ``os.environ`` (setdefault: an
   exported value wins). Among them ``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the

@@ -13,11 +13,13 @@ Every server runs in its own process group (``start_new_session=True``) and
 is killed by group id in a ``finally`` (SIGTERM, then SIGKILL), so neither
 the API server nor vLLM's EngineCore/Worker processes outlive a test.
 
-Times on the 2-core machine: the serve test ~60-110 s (healthy after 45-100 s,
-the two requests ~4 s, shutdown a few s); the bad settings fail at plugin load,
-while ``vllm serve`` builds its argument parser (``AsyncEngineArgs.add_cli_args``
-calls ``load_general_plugins``), i.e. after importing vLLM (~17 s alone). They
-are started together, once per module, so the four cost ~30-40 s in all.
+Times on the 2-core machine: the serve test 35-42 s (healthy after 34-41 s,
+60-100 s when the machine is busy; the two requests ~4 s; shutdown ~1 s). The
+bad settings fail at plugin load, while ``vllm serve`` builds its argument
+parser (``AsyncEngineArgs.add_cli_args`` calls ``load_general_plugins``, which
+does not catch what a plugin function raises), i.e. right after importing
+vLLM: ~17 s alone. They are started together, once per module, so the four
+cost 31-39 s in all.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ def _free_port() -> int:
 
 
 def _serve_env(vllm_cpu_env: dict[str, str], **extra: str) -> dict[str, str]:
-    """This environment without any ATOM_* variable (the plugin rejects
-    unknown ones, e.g. the tests' own ATOM_TEST_MODEL_CACHE), plus the small
+    """This environment without any ATOM_* variable (a setting exported in
+    the caller's shell must not change what this test checks), plus the small
     CPU settings, the plugin enabled, and vLLM's default multiprocess engine
     (the fixture's VLLM_ENABLE_V1_MULTIPROCESSING=0 is for in-process tests)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
@@ -241,7 +243,9 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         # vLLM's engine-core and worker processes each log the line once.
         log = log_path.read_text(errors="replace")
         pids = {int(p) for p in re.findall(re.escape(ENABLED_LINE) + r" \(pid (\d+)\)", log)}
-        assert pids, f"no {ENABLED_LINE!r} line in the server log; tail:\n{_tail(log_path)}"
+        assert pids, (f"no {ENABLED_LINE!r} line in the server log (logger "
+                      "'atom_hybrid_cache' needs a handler under vllm serve, which "
+                      f"configures only 'vllm'); tail:\n{_tail(log_path)}")
         assert proc.pid in pids, (proc.pid, pids)
         assert len(pids) >= 2, f"plugin logged only by {pids}: not in the engine processes"
         # vLLM prefixes the lines of its child processes: "(EngineCore pid=N)",

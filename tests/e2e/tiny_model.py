@@ -17,7 +17,7 @@ vLLM 0.32 (CPU build) loads with ``vllm.LLM(model=path)`` and ``vllm serve``:
   ``0 <= i < NUM_WORDS``, so a prompt can be given as text (``"w5 w17 w3"``)
   or as token ids (``[5, 17, 3]``) interchangeably; the special tokens follow.
 
-The folder is cached under ``$ATOM_TEST_MODEL_CACHE`` (default
+The folder is cached under ``$ATOMHC_TEST_MODEL_CACHE`` (default
 ``~/.cache/atom_hybrid_cache``) as ``tiny-qwen3-next-<hash>``, the hash taken
 over everything that decides its contents, and is written atomically (a
 temporary folder renamed into place), so concurrent test processes are safe.
@@ -235,7 +235,7 @@ def model_hash(config: dict[str, Any] | None = None, seed: int = SEED) -> str:
 
 
 def cache_root() -> Path:
-    env = os.environ.get("ATOM_TEST_MODEL_CACHE")
+    env = os.environ.get("ATOMHC_TEST_MODEL_CACHE")
     if env:
         return Path(env).expanduser()
     return Path.home() / ".cache" / "atom_hybrid_cache"

@@ -380,7 +380,7 @@ def _load_vllm_cpu_attention():
 
     ``import vllm._custom_ops`` costs ~10 s here (vllm's package import pulls
     in torch._inductor), so unless it is already imported (or
-    ``ATOM_PROBE_IMPORT_VLLM=1``), the extension library that
+    ``ATOMHC_PROBE_IMPORT_VLLM=1``), the extension library that
     ``CpuPlatform.import_kernels`` would pick is loaded directly: the same
     kernels, without the package import.  The thin Python wrappers only pass
     arguments through; the probe calls the ops with the same arguments.
@@ -392,7 +392,7 @@ def _load_vllm_cpu_attention():
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("vllm is not installed")
     errors = []
-    if os.environ.get("ATOM_PROBE_IMPORT_VLLM") != "1" and platform.machine() in ("x86_64", "AMD64"):
+    if os.environ.get("ATOMHC_PROBE_IMPORT_VLLM") != "1" and platform.machine() in ("x86_64", "AMD64"):
         if torch.cpu._is_avx512_supported():
             lib = "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512"
         else:
