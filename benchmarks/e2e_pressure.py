@@ -1,0 +1,442 @@
+#!/usr/bin/env python3
+"""End-to-end KV-pressure replay of cc traces through ``vllm.LLM`` (CPU build)
+on the tiny hybrid Qwen3-Next (3 Gated-DeltaNet layers + 1 full attention,
+``tests/e2e/tiny_model.py``): how much prefix cache does vLLM's NATIVE hybrid
+caching keep when the KV pool cannot hold every live conversation?
+
+Groundwork for the plugin's end-to-end acceptance: the plugin's
+scheduler-side manager is not wired yet, so ``--policies plugin`` raises
+NotImplementedError (see :func:`policy_kwargs`).
+
+Workload
+--------
+* Traces: cc-traces ``*.json`` files (default folder ``../shared/traces/cc-traces``
+  relative to the repo; ``--traces`` names files, folders or bare trace names
+  such as ``trace_0556``). ``TokenExpander.prompt_tokens(conv, i)`` gives the
+  exact token ids of each request (partial-block rule included); each id ``t``
+  is mapped into the tiny model's word vocabulary as ``t % 4000 + 1``
+  (deterministic; token 0 is avoided).
+* Prompt cap (``--max-prompt``, tokens). Every cc request is far longer than a
+  few thousand tokens (the shortest first request of the 143 shared traces is
+  ~11 k tokens), so "skip longer requests" would leave nothing and plain
+  truncation to the first N tokens would make every request of a conversation
+  the same prompt. The rule used, ELIDE: per conversation, keep the first
+  ``--head`` tokens (default 256: the system-prompt stand-in, shared across
+  conversations where the trace ids are) and drop the next
+  ``drop = len(first prompt) - max_prompt // 4`` tokens from EVERY request of
+  that conversation, so the first request becomes ``max_prompt // 4`` tokens
+  long and later requests keep their exact growth and edits on top of it
+  (request j sends ``full_j[:head] + full_j[head + drop:]``). The conversation
+  ENDS at its first request whose elided length exceeds ``--max-prompt``
+  (that request and the rest are skipped). ``--max-requests`` caps requests
+  per conversation. The oracle is computed on the prompts actually sent, so
+  the rule changes realism, not the correctness of the comparison.
+* Lock-step rounds: ``--in-flight`` slots (default 4); each ``generate`` call
+  sends the next request of every active conversation (one prompt per slot);
+  when a conversation has sent its last request, its slot takes the next
+  conversation (in trace order) in the following round. ``max_tokens=1``,
+  greedy (``temperature=0``).
+
+KV budget (blocks vs tokens for this hybrid)
+--------------------------------------------
+The tiny model's four KV cache groups (3 GDN/Mamba groups + 1 attention
+group) all have the same page size (block size 128 tokens on CPU: one
+attention block = 128 tokens x 4 KiB = 512 KiB >= one padded GDN state page),
+and they draw from ONE shared block pool of ``num_gpu_blocks`` blocks. A live
+request of ``L`` prompt tokens holds ``ceil(L / 128)`` attention blocks plus,
+per Mamba group in "align" mode, its running state block and usually one more
+(the copy-on-write / previous-state block): we count
+``ceil(L / block) + 2 * 3`` blocks per request. Every cached Mamba state
+(one per group per cached position) is a whole pool block too, which is why
+hybrid pools fill quickly. The LIVE WORKING SET of a round is the sum of that
+over the round's prompts; the budget of a multiple ``m`` is
+``num_gpu_blocks_override = ceil(m * max over rounds of the working set) + 1``
+(+1: the null block the BlockPool holds back), never less than one request's
+need + 1. With ``m <= 1`` the pool cannot keep every in-flight conversation's
+prefix between its turns, and with ``m < 1`` a round does not even fit at
+once (the scheduler runs part of it, later requests wait).
+The ``2 * 3`` Mamba allowance is conservative: in the measured runs a
+multiple of 1.0 lost nothing against 1.25 and the loss starts below it
+(0.83), so read the multiples as relative, not as an exact fit.
+
+Metrics per policy
+------------------
+``cached`` = sum of ``RequestOutput.num_cached_tokens`` (vLLM's hybrid hit: the
+prefix every group, Mamba state included, can serve); ``oracle`` = sum over
+prompts of the longest prefix shared with ANY earlier prompt of the run
+(earlier in send order, earlier prompts of the same round included), capped at
+``len - 1``; ``ratio`` = cached / oracle; ``same_as_off`` = every greedy output
+token equals the ``off`` run's (the ``off`` run is always done first when any
+other policy is asked for).
+
+Policies
+--------
+``off`` (``enable_prefix_caching=False``), ``native`` (vLLM default: align mode,
+``prefix_cache_retention_interval=0``, hash unit = block), ``native-pmu64``
+(``prefix_match_unit=64``: hits may land on 64-token boundaries inside a 128
+block), ``native-dense`` (``prefix_cache_retention_interval=None``: "None
+retains checkpoints densely", ``config/cache.py``; it can only keep states
+that exist, and GDN stores a state only at a chunk end, so with prompts of
+one prefill chunk (<= ``max_num_batched_tokens`` = 2048) it equals
+``native``), ``attention-control``
+(a 1-layer full-attention-only tiny Qwen3-Next with the same attention
+shape, so the same KV bytes per token and page size, no GDN layers; with the
+same block count its whole pool holds attention KV; outputs are compared to
+its own caching-off run since it is another model), ``plugin`` (hook, not
+implemented).
+
+Usage::
+
+    python3 benchmarks/e2e_pressure.py                       # small default run
+    python3 benchmarks/e2e_pressure.py --traces trace_0556 trace_0732 \\
+        --max-prompt 4000 --in-flight 4 --pool-multiples 1.25,1.0,0.83 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
+# Small default: short traces whose first requests survive the elide rule
+# (several turns each at 2000 tokens), so the run fits a 2-core machine.
+DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
+DEFAULT_POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control"]
+TINY_VOCAB_WORDS = 4000            # ids map to 1..4000 (< tiny_model.NUM_WORDS)
+MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache group each)
+MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
+BLOCK_SIZE = 128                   # CPU default, kept by the tiny model
+
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": str(os.cpu_count() or 1),
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
+
+# The attention-only control: one full-attention layer with the hybrid's
+# attention shape (4 KV heads x 256, bf16: 4 KiB per token, 512 KiB pages).
+ATTENTION_CONTROL_OVERRIDES = {
+    "num_hidden_layers": 1,
+    "layer_types": ["full_attention"],
+    "full_attention_interval": 1,
+}
+
+
+# ---------------------------------------------------------------------------
+# Workload
+# ---------------------------------------------------------------------------
+
+def resolve_trace_paths(names: list[str] | None, trace_dir: Path = DEFAULT_TRACE_DIR) -> list[Path]:
+    if not names:
+        names = DEFAULT_TRACES
+    out = []
+    for n in names:
+        p = Path(n)
+        if not p.exists():
+            p = trace_dir / (n if n.endswith(".json") else n + ".json")
+        if not p.exists():
+            raise FileNotFoundError(f"trace {n!r} not found (looked in {trace_dir})")
+        out.append(p)
+    return out
+
+
+def build_workload(trace_paths: list[Path], max_prompt: int, head: int = 256,
+                   max_requests: int | None = None) -> list[dict[str, Any]]:
+    """Conversations as ``{"id", "prompts": [[tiny token ids], ...]}`` (ELIDE rule,
+    see the module docstring). Conversations left with no request are dropped."""
+    from atom_hybrid_cache.replay.traces import TokenExpander, load_traces
+
+    exp = TokenExpander()
+    convs = []
+    for path in trace_paths:
+        for conv in load_traces(path):
+            reqs = conv.requests
+            if not reqs:
+                continue
+            keep_first = max(max_prompt // 4, head + 1)
+            drop = max(0, reqs[0].prompt_len - keep_first)
+            prompts = []
+            for i, r in enumerate(reqs):
+                if max_requests is not None and i >= max_requests:
+                    break
+                if r.prompt_len - drop > max_prompt:
+                    break
+                full = exp.prompt_tokens(conv, i)
+                toks = full[:head] + full[head + drop:]
+                if len(toks) < 2:
+                    break
+                prompts.append([t % TINY_VOCAB_WORDS + 1 for t in toks])
+            if prompts:
+                convs.append({"id": conv.conversation_id, "prompts": prompts})
+            exp.forget_space(conv.space_id)
+    return convs
+
+
+def lockstep_rounds(convs: list[dict[str, Any]], in_flight: int) -> list[list[tuple[int, int]]]:
+    """Rounds of (conversation index, request index), see the module docstring."""
+    slots: list[list[int] | None] = [None] * in_flight   # [conv, next request]
+    nxt = 0
+    rounds = []
+    while True:
+        for s in range(in_flight):
+            if slots[s] is None and nxt < len(convs):
+                slots[s] = [nxt, 0]
+                nxt += 1
+        batch = []
+        for s in range(in_flight):
+            if slots[s] is None:
+                continue
+            c, i = slots[s]
+            batch.append((c, i))
+            if i + 1 < len(convs[c]["prompts"]):
+                slots[s][1] = i + 1
+            else:
+                slots[s] = None
+        if not batch:
+            return rounds
+        rounds.append(batch)
+
+
+def oracle_reusable(prompts: list[list[int]]) -> list[int]:
+    """Per prompt (in send order): longest prefix shared with any earlier prompt,
+    capped at len - 1. A token trie of dicts."""
+    root: dict = {}
+    out = []
+    for p in prompts:
+        node, n = root, 0
+        for t in p:
+            nx = node.get(t)
+            if nx is None:
+                break
+            node, n = nx, n + 1
+        out.append(min(n, len(p) - 1))
+        node = root
+        for t in p:
+            node = node.setdefault(t, {})
+    return out
+
+
+def blocks_for(prompt_len: int, block_size: int = BLOCK_SIZE) -> int:
+    return -(-prompt_len // block_size) + MAMBA_GROUPS * MAMBA_BLOCKS_PER_REQ
+
+
+def working_set(convs, rounds, block_size: int = BLOCK_SIZE) -> tuple[int, int]:
+    """(largest live working set in blocks over the rounds, largest single request's need)."""
+    ws = max(sum(blocks_for(len(convs[c]["prompts"][i]), block_size) for c, i in rnd)
+             for rnd in rounds)
+    one = max(blocks_for(len(p), block_size) for cv in convs for p in cv["prompts"])
+    return ws, one
+
+
+def budget_blocks(multiple: float, ws: int, one: int) -> int:
+    return max(math.ceil(multiple * ws), one) + 1
+
+
+# ---------------------------------------------------------------------------
+# Engines
+# ---------------------------------------------------------------------------
+
+def policy_kwargs(policy: str) -> dict[str, Any]:
+    if policy == "off":
+        return {"enable_prefix_caching": False}
+    if policy in ("native", "attention-control"):
+        return {}
+    if policy == "native-pmu64":
+        return {"prefix_match_unit": 64}
+    if policy == "native-dense":
+        return {"prefix_cache_retention_interval": None}
+    if policy == "plugin":
+        raise NotImplementedError(
+            "policy 'plugin': atom_hybrid_cache's scheduler-side hybrid manager is not wired "
+            "into vLLM yet. To enable it, this hook must (1) register the plugin's MambaSpec "
+            "subclass + manager (KVCacheSpecRegistry.register, after _ensure_registered()) and "
+            "its GDN layer subclass (QwenGatedDeltaNetAttention.register_oot) via the "
+            "'atom_hybrid_cache' vllm.general_plugins entry point, (2) select it here with the "
+            "engine kwargs / env the plugin defines (e.g. VLLM_PLUGINS and any scheduler_cls), "
+            "and (3) keep enable_prefix_caching=True, mamba_cache_mode='align'.")
+    raise ValueError(f"unknown policy {policy!r}")
+
+
+def model_for(policy: str) -> Path:
+    sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    from tiny_model import build_tiny_qwen3_next
+    if policy.startswith("attention-control"):
+        return build_tiny_qwen3_next(config_overrides=ATTENTION_CONTROL_OVERRIDES)
+    return build_tiny_qwen3_next()
+
+
+def make_llm(model: Path, num_blocks: int, max_model_len: int, **extra):
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    import vllm
+    import vllm.envs
+    if hasattr(vllm.envs, "disable_envs_cache"):
+        vllm.envs.disable_envs_cache()
+    kwargs = dict(
+        model=str(model), dtype="bfloat16", max_model_len=max_model_len,
+        max_num_seqs=4, max_num_batched_tokens=2048, enforce_eager=True,
+        enable_prefix_caching=True, seed=0, num_gpu_blocks_override=num_blocks,
+    )
+    kwargs.update(extra)
+    return vllm.LLM(**kwargs)
+
+
+def shutdown(llm) -> None:
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:
+        pass
+
+
+def replay(llm, convs, rounds) -> tuple[list[int], list[list[int]]]:
+    """(num_cached_tokens per prompt, output token ids per prompt), send order."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    sp = SamplingParams(max_tokens=1, temperature=0.0)
+    cached, outs = [], []
+    for rnd in rounds:
+        prompts = [TokensPrompt(prompt_token_ids=convs[c]["prompts"][i]) for c, i in rnd]
+        res = llm.generate(prompts, sp, use_tqdm=False)
+        for r in res:
+            cached.append(int(r.num_cached_tokens or 0))
+            outs.append(list(r.outputs[0].token_ids))
+    return cached, outs
+
+
+def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
+               **extra) -> dict[str, Any]:
+    kwargs = policy_kwargs(policy)
+    kwargs.update(extra)
+    t0 = time.monotonic()
+    llm = make_llm(model_for(policy), num_blocks, max_model_len, **kwargs)
+    t1 = time.monotonic()
+    try:
+        cached, outs = replay(llm, convs, rounds)
+    finally:
+        shutdown(llm)
+        del llm
+        gc.collect()
+    t2 = time.monotonic()
+    return {"policy": policy, "num_blocks": num_blocks, "cached": cached, "outputs": outs,
+            "start_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
+
+
+def send_order(convs, rounds) -> list[list[int]]:
+    return [convs[c]["prompts"][i] for rnd in rounds for c, i in rnd]
+
+
+# ---------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--traces", nargs="*", default=None,
+                    help=f"trace files/folders/names (default: {' '.join(DEFAULT_TRACES)})")
+    ap.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR)
+    ap.add_argument("--max-prompt", type=int, default=2000, help="prompt cap in tokens (ELIDE rule)")
+    ap.add_argument("--head", type=int, default=256, help="tokens kept before the elided span")
+    ap.add_argument("--max-requests", type=int, default=None, help="requests per conversation")
+    ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--pool-multiples", default="1.25,1.0,0.83")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    t_start = time.monotonic()
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    for p in policies:
+        policy_kwargs(p)                    # fail early (plugin hook, typos)
+    multiples = [float(x) for x in args.pool_multiples.split(",") if x.strip()]
+    paths = resolve_trace_paths(args.traces, args.trace_dir)
+    convs = build_workload(paths, args.max_prompt, args.head, args.max_requests)
+    if not convs:
+        print("no request fits --max-prompt", file=sys.stderr)
+        return 2
+    rounds = lockstep_rounds(convs, args.in_flight)
+    sent = send_order(convs, rounds)
+    oracle = oracle_reusable(sent)
+    ws, one = working_set(convs, rounds)
+    max_len = max(len(p) for p in sent)
+    max_model_len = -(-(max_len + 1) // BLOCK_SIZE) * BLOCK_SIZE
+    print(f"workload: {len(convs)} conversations, {len(sent)} requests in {len(rounds)} rounds "
+          f"(in-flight {args.in_flight}), {sum(map(len, sent))} prompt tokens, max prompt {max_len}; "
+          f"oracle reusable {sum(oracle)} tokens; largest live working set {ws} blocks "
+          f"(block {BLOCK_SIZE}); largest single request {one} blocks", flush=True)
+
+    results = []
+    off_outputs: dict[str, list] = {}
+    for m in multiples:
+        nb = budget_blocks(m, ws, one)
+        # the off run of each model first, as the reference
+        order = []
+        if any(p != "off" and not p.startswith("attention-control") for p in policies):
+            order.append("off")
+        if any(p.startswith("attention-control") for p in policies):
+            order.append("attention-control-off")
+        order += [p for p in policies if p not in order]
+        for pol in order:
+            if pol == "attention-control-off":
+                r = run_policy("attention-control", convs, rounds, nb, max_model_len,
+                               enable_prefix_caching=False)
+                r["policy"] = pol
+            else:
+                r = run_policy(pol, convs, rounds, nb, max_model_len)
+            if pol in ("off", "attention-control-off"):
+                off_outputs[pol] = r["outputs"]
+            ref = off_outputs.get("attention-control-off" if pol.startswith("attention-control")
+                                  else "off")
+            total = sum(r["cached"])
+            row = {"multiple": m, "policy": pol, "num_blocks": nb, "cached_tokens": total,
+                   "oracle_tokens": sum(oracle),
+                   "ratio": round(total / sum(oracle), 4) if sum(oracle) else None,
+                   # None on the reference (caching-off) rows themselves
+                   "same_as_off": (r["outputs"] == ref)
+                   if ref is not None and pol not in ("off", "attention-control-off") else None,
+                   "start_s": r["start_s"], "replay_s": r["replay_s"],
+                   "per_request_cached": r["cached"]}
+            results.append(row)
+            print(f"  x{m:<5} {pol:22s} blocks {nb:4d}  cached {total:7d}  "
+                  f"ratio {row['ratio']}  same_as_off {row['same_as_off']}  "
+                  f"({r['start_s']} s start, {r['replay_s']} s replay)", flush=True)
+
+    wall = time.monotonic() - t_start
+    print()
+    hdr = f"{'multiple':>8} {'policy':22s} {'blocks':>6} {'cached':>8} {'oracle':>8} {'ratio':>6} {'same_as_off':>11}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        print(f"{r['multiple']:>8} {r['policy']:22s} {r['num_blocks']:>6} {r['cached_tokens']:>8} "
+              f"{r['oracle_tokens']:>8} {str(r['ratio']):>6} {str(r['same_as_off']):>11}")
+    print(f"\nwall time: {wall:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "workload": {"conversations": [c["id"] for c in convs],
+                         "requests": len(sent), "rounds": len(rounds),
+                         "prompt_tokens": sum(map(len, sent)), "max_prompt": max_len,
+                         "working_set_blocks": ws, "single_request_blocks": one,
+                         "block_size": BLOCK_SIZE, "max_model_len": max_model_len,
+                         "oracle_tokens": sum(oracle), "per_request_oracle": oracle},
+            "results": results, "wall_s": round(wall, 1)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
