@@ -115,16 +115,6 @@ MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache 
 MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
 BLOCK_SIZE = 128                   # CPU default, kept by the tiny model
 
-ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": str(os.cpu_count() or 1),
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
 
 # The attention-only control: one full-attention layer with the hybrid's
 # attention shape (4 KV heads x 256, bf16: 4 KiB per token, 512 KiB pages).
@@ -270,16 +260,23 @@ def policy_kwargs(policy: str) -> dict[str, Any]:
     raise ValueError(f"unknown policy {policy!r}")
 
 
+def _tiny_model():
+    """tests/e2e/tiny_model.py: the model builder and the small-CPU env."""
+    if str(REPO / "tests" / "e2e") not in sys.path:
+        sys.path.insert(0, str(REPO / "tests" / "e2e"))
+    import tiny_model
+    return tiny_model
+
+
 def model_for(policy: str) -> Path:
-    sys.path.insert(0, str(REPO / "tests" / "e2e"))
-    from tiny_model import build_tiny_qwen3_next
+    build_tiny_qwen3_next = _tiny_model().build_tiny_qwen3_next
     if policy.startswith("attention-control"):
         return build_tiny_qwen3_next(config_overrides=ATTENTION_CONTROL_OVERRIDES)
     return build_tiny_qwen3_next()
 
 
 def make_llm(model: Path, num_blocks: int, max_model_len: int, **extra):
-    for k, v in ENV.items():
+    for k, v in _tiny_model().VLLM_CPU_ENV.items():
         os.environ.setdefault(k, v)
     import vllm
     import vllm.envs

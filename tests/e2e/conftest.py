@@ -50,26 +50,7 @@ if str(_HERE) not in sys.path:          # "import tiny_model" from the tests
 
 from tiny_model import build_tiny_qwen3_next  # noqa: E402
 
-# Environment for vLLM on a small CPU-only machine. setdefault: a value
-# exported by the caller wins.
-VLLM_CPU_ENV: dict[str, str] = {
-    # KV cache (and, for hybrid models, the mamba state pool), whole GiB
-    # (platforms/cpu.py:324 turns it into kv_cache_memory_bytes; unset, vLLM
-    # sizes the pool from free RAM). The tiny model needs a few MiB; for small
-    # pools pass kv_cache_memory_bytes= or num_gpu_blocks_override= to LLM.
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    # One OpenMP thread per core; "auto" binds by NUMA node and warns on
-    # containers without NUMA information.
-    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-    "OMP_NUM_THREADS": str(os.cpu_count() or 1),
-    # No hub, no telemetry.
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "VLLM_NO_USAGE_STATS": "1",
-    "DO_NOT_TRACK": "1",
-    # Engine core in the test process (see the module docstring).
-    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-}
+from tiny_model import VLLM_CPU_ENV  # noqa: E402  (shared with benchmarks/e2e_pressure.py)
 
 # vllm.LLM(...) settings that keep start-up and memory small on 2 cores.
 LLM_KWARGS: dict[str, Any] = {

@@ -321,3 +321,25 @@ if __name__ == "__main__":  # pragma: no cover - manual use
     import sys
 
     print(build_tiny_qwen3_next(sys.argv[1] if len(sys.argv) > 1 else None))
+
+
+# Environment for vLLM on a small CPU-only machine. setdefault: a value
+# exported by the caller wins.
+VLLM_CPU_ENV: dict[str, str] = {
+    # KV cache (and, for hybrid models, the mamba state pool), whole GiB
+    # (platforms/cpu.py:324 turns it into kv_cache_memory_bytes; unset, vLLM
+    # sizes the pool from free RAM). The tiny model needs a few MiB; for small
+    # pools pass kv_cache_memory_bytes= or num_gpu_blocks_override= to LLM.
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    # One OpenMP thread per core; "auto" binds by NUMA node and warns on
+    # containers without NUMA information.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": str(os.cpu_count() or 1),
+    # No hub, no telemetry.
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    # Engine core in the test process (see the module docstring).
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
