@@ -79,6 +79,18 @@ def _zero_state(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.zeros(v.shape[1], k.shape[2], v.shape[2], dtype=torch.float32, device=v.device)
 
 
+def _prepare(q, k, v, g, beta, scale, initial_state):
+    """Checked fp32 inputs with q/k spread over the value heads, the start
+    state (a copy, so the caller's tensor is never advanced) and the scale."""
+    _check(q, k, v, g, beta)
+    HV = v.shape[1]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q, k = (_heads_to_value_heads(x, HV).float() for x in (q, k))
+    v, g, beta = v.float(), g.float(), beta.float()
+    S = _zero_state(k, v) if initial_state is None else initial_state.float().clone()
+    return q, k, v, g, beta, S, scale
+
+
 def delta_rule_step(S: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
                     beta_t: torch.Tensor) -> torch.Tensor:
     """One token: S [HV, K, V], k_t [HV, K], v_t [HV, V], g_t [HV] or [HV, K], beta_t [HV]."""
@@ -109,12 +121,8 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                initial_state: Optional[torch.Tensor] = None,
                                chunk_size: int = 64) -> DeltaRuleResult:
     """Token by token; `chunk_size` only says which states to report."""
-    _check(q, k, v, g, beta)
+    q, k, v, g, beta, S, scale = _prepare(q, k, v, g, beta, scale, initial_state)
     T, HV = v.shape[0], v.shape[1]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k = (_heads_to_value_heads(x, HV).float() for x in (q, k))
-    v, g, beta = v.float(), g.float(), beta.float()
-    S = _zero_state(k, v) if initial_state is None else initial_state.float().clone()
     out = torch.empty(T, HV, v.shape[2], dtype=torch.float32, device=v.device)
     boundaries = []
     for t in range(T):
@@ -175,13 +183,9 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            initial_state: Optional[torch.Tensor] = None,
                            chunk_size: int = 64) -> DeltaRuleResult:
     """Chunk by chunk, the way the Triton kernels compute it."""
-    _check(q, k, v, g, beta)
+    q, k, v, g, beta, S, scale = _prepare(q, k, v, g, beta, scale, initial_state)
     T, HV = v.shape[0], v.shape[1]
     C = chunk_size
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    q, k = (_heads_to_value_heads(x, HV).float() for x in (q, k))
-    v, g, beta = v.float(), g.float(), beta.float()
-    S = _zero_state(k, v) if initial_state is None else initial_state.float().clone()
     out = torch.empty(T, HV, v.shape[2], dtype=torch.float32, device=v.device)
     boundaries = []
     for start in range(0, T, C):

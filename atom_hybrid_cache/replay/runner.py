@@ -176,7 +176,6 @@ def run_replay(args) -> int:
     names = parse_policy_names(",".join(args.policies))
     workload, geometry = load_workload(args)
     placement = placement_from_args(args)
-    show = not args.no_progress and sys.stderr.isatty()
     results = compare(workload, geometry, memory_gib=args.memory_gib, policies=names,
                       headroom=args.state_checkpoint_slots, placement=placement,
                       num_spec=args.num_spec, jobs=args.jobs, show_progress=not args.no_progress)

@@ -208,7 +208,6 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             totals.prefill_tokens_computed += n
             budget -= n
             worked = True
-        admitted_any = False
         while waiting and budget > 0 and len(running) < settings.concurrency:
             live = waiting[0]
             adm = manager.admit(live.core)
@@ -223,7 +222,7 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
                 break
             waiting.popleft()
             running.append(live)
-            admitted_any = worked = True
+            worked = True
             if not live.admitted_once:
                 live.admitted_once = True
                 totals.requests += 1
