@@ -20,6 +20,10 @@ EVICTION_POLICIES = ("reuse-aware", "lru")
 # back. BENCHMARKS.md's sweep shows fewer losing hits and more costing KV.
 DEFAULT_HEADROOM_PER_SEQ = 8
 
+# Admissions between two stats reports in a vLLM server when
+# ATOM_STATS_LOG_INTERVAL is unset (the replay planner reports at its end).
+SERVER_STATS_LOG_INTERVAL = 100
+
 
 class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting."""
@@ -39,7 +43,7 @@ class PlacementConfig:
     eviction: str = "reuse-aware"
     # After a KV tail cut, checkpoints these fractions of the surviving
     # prefix below it, so the next, similar cut still leaves one to resume.
-    cut_backoffs: tuple = (0.03, 0.15)
+    cut_backoffs: tuple = (0.03, 0.15, 0.4)
     # Fallback rungs, as fractions of a request's share of the KV pool, in
     # prompts longer than that share.
     fallback_fractions: tuple = (0.5, 0.85)

@@ -4,9 +4,10 @@ on the tiny hybrid Qwen3-Next (3 Gated-DeltaNet layers + 1 full attention,
 ``tests/e2e/tiny_model.py``): how much prefix cache does vLLM's NATIVE hybrid
 caching keep when the KV pool cannot hold every live conversation?
 
-Groundwork for the plugin's end-to-end acceptance: the plugin's
-scheduler-side manager is not wired yet, so ``--policies plugin`` raises
-NotImplementedError (see :func:`policy_kwargs`).
+``--policies plugin`` runs the same engine with atom_hybrid_cache enabled
+(``VLLM_PLUGINS=atom_hybrid_cache``, ``scheduler_cls=AtomScheduler``,
+``prefix_match_unit=64``); it runs last in each budget, since vLLM loads
+plugins once per process.
 
 Workload
 --------
@@ -82,8 +83,7 @@ one prefill chunk (<= ``max_num_batched_tokens`` = 2048) it equals
 (a 1-layer full-attention-only tiny Qwen3-Next with the same attention
 shape, so the same KV bytes per token and page size, no GDN layers; with the
 same block count its whole pool holds attention KV; outputs are compared to
-its own caching-off run since it is another model), ``plugin`` (hook, not
-implemented).
+its own caching-off run since it is another model), ``plugin`` (see above).
 
 Usage::
 
@@ -109,7 +109,8 @@ DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 # Small default: short traces whose first requests survive the elide rule
 # (several turns each at 2000 tokens), so the run fits a 2-core machine.
 DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
-DEFAULT_POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control"]
+KNOWN_POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control", "plugin"]
+DEFAULT_POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control", "plugin"]
 TINY_VOCAB_WORDS = 4000            # ids map to 1..4000 (< tiny_model.NUM_WORDS)
 MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache group each)
 MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
@@ -249,15 +250,21 @@ def policy_kwargs(policy: str) -> dict[str, Any]:
     if policy == "native-dense":
         return {"prefix_cache_retention_interval": None}
     if policy == "plugin":
-        raise NotImplementedError(
-            "policy 'plugin': atom_hybrid_cache's scheduler-side hybrid manager is not wired "
-            "into vLLM yet. To enable it, this hook must (1) register the plugin's MambaSpec "
-            "subclass + manager (KVCacheSpecRegistry.register, after _ensure_registered()) and "
-            "its GDN layer subclass (QwenGatedDeltaNetAttention.register_oot) via the "
-            "'atom_hybrid_cache' vllm.general_plugins entry point, (2) select it here with the "
-            "engine kwargs / env the plugin defines (e.g. VLLM_PLUGINS and any scheduler_cls), "
-            "and (3) keep enable_prefix_caching=True, mamba_cache_mode='align'.")
+        enable_plugin()
+        return {"prefix_match_unit": 64,
+                "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     raise ValueError(f"unknown policy {policy!r}")
+
+
+def enable_plugin() -> None:
+    """What `VLLM_PLUGINS=atom_hybrid_cache` does at start-up. vLLM loads
+    general plugins once per process, so an in-process engine created after
+    another one would not load it again: register explicitly. Engines made
+    afterwards in the same process build AtomGDN layers too; without
+    AtomScheduler their manager behaves exactly like vLLM's."""
+    os.environ["VLLM_PLUGINS"] = "atom_hybrid_cache"
+    from atom_hybrid_cache.vllm import plugin
+    plugin.register()
 
 
 def _tiny_model():
@@ -358,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.monotonic()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        policy_kwargs(p)                    # fail early (plugin hook, typos)
+        if p not in KNOWN_POLICIES:         # fail early on typos
+            ap.error(f"unknown policy {p!r} (known: {', '.join(KNOWN_POLICIES)})")
     multiples = [float(x) for x in args.pool_multiples.split(",") if x.strip()]
     paths = resolve_trace_paths(args.traces, args.trace_dir)
     convs = build_workload(paths, args.max_prompt, args.head, args.max_requests)
@@ -386,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
             order.append("off")
         if any(p.startswith("attention-control") for p in policies):
             order.append("attention-control-off")
-        order += [p for p in policies if p not in order]
+        order += [p for p in policies if p not in order and p != "plugin"]
+        order += ["plugin"] if "plugin" in policies else []
         for pol in order:
             if pol == "attention-control-off":
                 r = run_policy("attention-control", convs, rounds, nb, max_model_len,

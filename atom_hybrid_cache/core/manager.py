@@ -16,8 +16,8 @@ from typing import Callable, Optional, Sequence
 from ..config import CacheConfig
 from .hashing import ROOT_PARENT
 from .kv_pool import KVBlockPool
-from .placement import (CheckpointTargets, anchor_position, chunk_end, is_rung,
-                        ladder_positions, resume_cap_blocks, snap_interval)
+from .placement import (CheckpointTargets, chunk_end, is_rung, ladder_positions,
+                        plan_checkpoints, resume_cap_blocks, snap_interval)
 from .state_pool import CheckpointInfo, StateSlotPool
 from .stats import CacheStats, format_stats_lines
 
@@ -26,10 +26,6 @@ logger = logging.getLogger("atom_hybrid_cache")
 # Checkpoint kinds filed at the LRU head: placed on a guess, they must earn
 # their slot by being read.
 GUESS_KINDS = frozenset({"demand", "ladder", "decode"})
-
-# Fallback rungs of long prompts sit on this grid, so consecutive turns of a
-# conversation ask for the same positions instead of writing new ones.
-FALLBACK_GRID_TOKENS = 4096
 
 
 @dataclass
@@ -181,41 +177,11 @@ class HybridCacheManager:
         return n
 
     def _plan(self, req: Request, usable: int, compressed: int, reusable: int) -> None:
-        cfg = self.cfg
-        p = cfg.placement
         B = self.block_size
-        L = req.prompt_len
-        hit = usable * B
-        t = req.targets
-        anchor = anchor_position(L, B, cfg.successor_room, p.anchor_margin_tokens) if p.anchor else 0
-        if anchor > hit:
-            t.add(anchor, "anchor")
-            below = anchor - max(B, -(-p.insure_distance_tokens // B) * B)
-            if p.insure_recompute_tokens and L - hit >= p.insure_recompute_tokens and below > hit:
-                # A lost anchor costs this whole recompute again; the usual
-                # loss is the client rewriting the last few blocks, so insure
-                # a little lower.
-                t.add(below, "fallback")
-        if p.demand and compressed > usable:
-            t.add(compressed * B, "demand")
-        if compressed < reusable and compressed > usable:
-            # The KV pool cut this conversation's tail. The next turn will
-            # most likely find a similar cut, so keep states some way below.
-            for f in p.cut_backoffs:
-                pos = int(compressed * (1.0 - f)) * B
-                if pos > hit:
-                    t.add(pos, "cut")
-        if L > self.kv_share_tokens:
-            # Longer than its share of the pool: its tail will be cut. Rungs
-            # at fixed fractions of the share (snapped to a coarse grid so
-            # later turns find them already kept) survive the usual cut.
-            grid = max(B, FALLBACK_GRID_TOKENS // B * B)
-            for f in p.fallback_fractions:
-                pos = int(self.kv_share_tokens * f) // grid * grid
-                if hit < pos < (anchor or L - cfg.successor_room):
-                    t.add(pos, "fallback")
-        for pos in ladder_positions(hit, L - cfg.successor_room, self.interval):
-            t.add(pos, "ladder")
+        req.targets = plan_checkpoints(
+            req.prompt_len, B, hit=usable * B, compressed=compressed * B, reusable=reusable * B,
+            kv_share_tokens=self.kv_share_tokens, placement=self.cfg.placement,
+            successor_room=self.cfg.successor_room, interval=self.interval)
 
     # -- prefill -------------------------------------------------------
     def next_chunk(self, req: Request, budget: int) -> int:

@@ -109,6 +109,61 @@ class CheckpointTargets:
         return [(p, self.kinds.pop(p)) for p in done]
 
 
+# Fallback rungs of long prompts sit on this grid, so consecutive turns of a
+# conversation ask for the same positions instead of writing new ones.
+FALLBACK_GRID_TOKENS = 4096
+
+
+def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: int,
+                     reusable: int, kv_share_tokens: int, placement, successor_room: int,
+                     interval: int) -> CheckpointTargets:
+    """The checkpoints one admitted prompt should leave behind.
+
+    All lengths are tokens, multiples of `block_size` except `prompt_len`:
+    `hit` is where the request resumes (KV and state), `compressed` how far
+    its KV prefix alone reached, `reusable` how far an unbounded cache would
+    have reached (the excess over `compressed` is a KV tail cut), and
+    `kv_share_tokens` one request slot's share of the KV pool. The replay
+    manager and the vLLM scheduler both place checkpoints with this rule.
+    """
+    p = placement
+    B = block_size
+    L = prompt_len
+    t = CheckpointTargets()
+    anchor = anchor_position(L, B, successor_room, p.anchor_margin_tokens) if p.anchor else 0
+    if anchor > hit:
+        t.add(anchor, "anchor")
+        below = anchor - max(B, -(-p.insure_distance_tokens // B) * B)
+        if p.insure_recompute_tokens and L - hit >= p.insure_recompute_tokens and below > hit:
+            # A lost anchor costs this whole recompute again; the usual
+            # loss is the client rewriting the last few blocks, so insure
+            # a little lower.
+            t.add(below, "fallback")
+    if p.demand and compressed > hit:
+        t.add(compressed, "demand")
+    if hit < compressed < reusable:
+        # The KV pool cut this conversation's tail. The next turn will
+        # most likely find a similar cut, so keep states some way below.
+        for f in p.cut_backoffs:
+            pos = int(compressed // B * (1.0 - f)) * B
+            if pos > hit:
+                t.add(pos, "cut")
+    if L > kv_share_tokens:
+        # Longer than its share of the pool: its tail will be cut. Rungs
+        # at fixed fractions of the share (snapped to a coarse grid so
+        # later turns find them already kept) survive the usual cut. The
+        # grid is at most a quarter of the share, so small pools (or large
+        # blocks) still get rungs below the share.
+        grid = max(B, min(FALLBACK_GRID_TOKENS, kv_share_tokens // 4) // B * B)
+        for f in p.fallback_fractions:
+            pos = int(kv_share_tokens * f) // grid * grid
+            if hit < pos < (anchor or L - successor_room):
+                t.add(pos, "fallback")
+    for pos in ladder_positions(hit, L - successor_room, interval):
+        t.add(pos, "ladder")
+    return t
+
+
 def chunk_end(computed: int, budget: int, total: int, targets: CheckpointTargets,
               interior_readable: bool) -> tuple[int, Optional[str]]:
     """Where this step's prefill chunk ends, and the kind of target it was

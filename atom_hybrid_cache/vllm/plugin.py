@@ -91,6 +91,8 @@ def register() -> None:
     except ConfigError as e:
         # Fail start-up loudly: a typo must not silently fall back.
         raise ConfigError(f"atom_hybrid_cache: {e}") from None
+    from .registration import register_all
+    register_all()
     _registered = placement
     exported = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
     logger.info("atom_hybrid_cache enabled (pid %d); settings %s; from environment: %s",

@@ -2,10 +2,12 @@
 
 Acceptance items 3 and 6 of the vLLM plugin issue:
 
-* the server starts with the plugin, answers the same long prompt twice on
-  ``/v1/completions``, and the second answer reports cached prompt tokens
-  (usage block and ``/metrics``); the server log carries the plugin's
-  "atom_hybrid_cache enabled" line;
+* the server starts with the plugin and its scheduler (``--scheduler-cls
+  atom_hybrid_cache.vllm.scheduler.AtomScheduler --prefix-match-unit 64``),
+  answers the same long prompt twice on ``/v1/completions``, and the second
+  answer reports cached prompt tokens (usage block and ``/metrics``); the
+  server log carries the plugin's "atom_hybrid_cache enabled" line, the
+  scheduler's set-up line and the core's stats lines;
 * a bad ``ATOM_*`` value stops start-up, before the model loads, with a
   message naming the variable.
 
@@ -43,6 +45,8 @@ import pytest
 from tiny_model import NUM_WORDS, words
 
 PLUGIN = "atom_hybrid_cache"
+SCHEDULER_CLS = "atom_hybrid_cache.vllm.scheduler.AtomScheduler"
+SCHEDULER_LINE = "atom_hybrid_cache scheduler: 3 state groups, 1 KV groups"
 ENABLED_LINE = "atom_hybrid_cache enabled"
 HEALTH_DEADLINE_S = 300.0      # serve is healthy after 45-100 s here
 REQUEST_TIMEOUT_S = 120.0
@@ -89,6 +93,7 @@ def _serve_cmd(model: Path, port: int) -> list[str]:
             "--max-model-len", "2048", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "2048",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--scheduler-cls", SCHEDULER_CLS, "--prefix-match-unit", "64",
             "--seed", "0"]
 
 
@@ -211,7 +216,8 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
     prompt = words(rng.randrange(NUM_WORDS) for _ in range(PROMPT_LEN))
 
     t0 = time.monotonic()
-    proc = _start_serve(tiny_model_path, port, _serve_env(vllm_cpu_env), log_path)
+    proc = _start_serve(tiny_model_path, port,
+                        _serve_env(vllm_cpu_env, ATOM_STATS_LOG_INTERVAL="1"), log_path)
     try:
         healthy_s = _wait_healthy(proc, url, log_path)
         print(f"vllm serve healthy after {healthy_s:.1f} s")
@@ -220,8 +226,9 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         second = _complete(url, prompt)
         assert first["usage"]["prompt_tokens"] == PROMPT_LEN, first["usage"]
         assert _cached_tokens(first) == 0, first["usage"]
-        # block 128: the resend resumes from the state at floor(599/128)*128 = 512
-        assert 0 < _cached_tokens(second) < PROMPT_LEN, second["usage"]
+        # hits on 64-token units: the resend resumes from the prompt-end state
+        # at floor(599/64)*64 = 576
+        assert _cached_tokens(second) == 576, second["usage"]
         assert second["choices"][0]["text"] == first["choices"][0]["text"]   # greedy
 
         # The Prometheus counters are fed by the same stats; allow them a moment.
@@ -254,6 +261,12 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         roles = [m.group(1) or "front end" for m in re.finditer(
             r"^(?:\(([\w-]+) pid=\d+\) )?.*" + re.escape(ENABLED_LINE), log, re.M)]
         print(f"plugin enabled in pids {sorted(pids)}: {roles}")
+        # Our scheduler and state managers ran in the engine core, and the
+        # core's stats lines (one report per admission here) reached the log.
+        assert SCHEDULER_LINE in log, _tail(log_path)
+        stats = re.findall(r"\[Cache Stats\] admissions=(\d+) reusable=(\d+) cached=(\d+)", log)
+        assert ("2", "576", "576") in stats, (stats, _tail(log_path))
+        assert "[Cache Pools]" in log and "[Checkpoint Fates]" in log
     finally:
         _stop_group(proc)
         print(f"serve test: {time.monotonic() - t0:.1f} s including shutdown")

@@ -1,0 +1,199 @@
+"""The checkpoint policy inside vLLM's scheduler, in vLLM-free terms.
+
+`AtomScheduler` asks it, for every request it admits, where the request
+must leave state checkpoints (chunk stops) and, when a request is freed, in
+which order its pages go back to the shared LRU. The managers of the state
+groups ask it which positions to keep. Positions are token counts; the
+policy itself is the core's `plan_checkpoints`, shared with the replay
+planner.
+
+No vLLM import here: the scheduler passes plain numbers and block objects
+it has already classified.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence
+
+from ..config import PlacementConfig
+from ..core.placement import CheckpointTargets, plan_checkpoints, snap_interval
+from ..core.stats import CacheStats, format_stats_lines
+
+logger = logging.getLogger("atom_hybrid_cache")
+
+# Past this many distinct prefix hashes the oracle ("what an unbounded cache
+# would reuse") stops learning: it then under-counts, never over-counts.
+SEEN_HASH_LIMIT = 1 << 22
+
+
+@dataclass
+class RequestPlan:
+    prompt_len: int
+    hit: int
+    compressed: int
+    reusable: int
+    targets: CheckpointTargets
+    # every planned position -> kind, kept after the stop is passed: the
+    # state managers retain these and the stats name the kind written
+    kinds: dict = field(default_factory=dict)
+    admitted: bool = False
+
+
+@dataclass(frozen=True)
+class FreedBlock:
+    """One page a freed request gives back, as the scheduler classified it.
+
+    A KV page holds tokens [start, end); a state page holds the state after
+    `end` tokens (start == end). `handle` is the vLLM block object."""
+
+    handle: object
+    is_state: bool
+    start: int
+    end: int
+    cached: bool
+
+
+class CheckpointPlanner:
+    def __init__(self, placement: PlacementConfig, *, block_size: int, hash_block_size: int,
+                 kv_share_tokens: int, stats_log_interval: int,
+                 log: Callable[[str], None] = logger.info,
+                 warn: Callable[[str], None] = logger.warning) -> None:
+        self.placement = placement
+        self.block_size = block_size
+        self.hash_block_size = hash_block_size
+        self.kv_share_tokens = kv_share_tokens
+        self.interval = snap_interval(placement.interval_tokens, block_size, warn)
+        self.checkpointing = self.interval != 0
+        self.reuse_aware = placement.eviction == "reuse-aware"
+        self.stats = CacheStats()
+        self.stats_log_interval = stats_log_interval
+        self._log = log
+        self.plans: dict[str, RequestPlan] = {}
+        self._seen: set = set()
+        self.resumes = 0
+
+    # -- admission -----------------------------------------------------
+    def plan(self, request_id: str, prompt_len: int, block_hashes: Sequence, *,
+             hit: int, compressed: int) -> RequestPlan:
+        """(Re)plan a request that has not started: `hit` is where it resumes,
+        `compressed` how far its KV prefix alone reaches."""
+        B = self.block_size
+        reusable = max(self._oracle_tokens(block_hashes, prompt_len), compressed)
+        if self.checkpointing:
+            targets = plan_checkpoints(
+                prompt_len, B, hit=hit, compressed=compressed // B * B,
+                reusable=reusable // B * B, kv_share_tokens=self.kv_share_tokens,
+                placement=self.placement, successor_room=1, interval=self.interval)
+        else:
+            targets = CheckpointTargets()
+        # vLLM keeps the prompt-end state itself (at hash granularity, finer
+        # than ours); a stop of our own there would only be coarser.
+        for pos, kind in list(targets.kinds.items()):
+            if kind == "anchor" or pos % B:
+                targets.positions.remove(pos)
+                del targets.kinds[pos]
+        plan = RequestPlan(prompt_len, hit, compressed, reusable, targets, dict(targets.kinds))
+        self.plans[request_id] = plan
+        return plan
+
+    def chunk_stop(self, request_id: str, start: int, end: int) -> int:
+        """Where a prefill chunk [start, end) must end so that every planned
+        checkpoint in it is a chunk end (GDN stores a state only there)."""
+        plan = self.plans.get(request_id)
+        if plan is None:
+            return end
+        t = plan.targets.earliest_in(start, end - 1)
+        if t is None:
+            return end
+        self.stats.record_cut(plan.kinds[t])
+        return t
+
+    def retained_positions(self, request_id: str) -> tuple:
+        plan = self.plans.get(request_id)
+        return tuple(plan.kinds) if plan is not None else ()
+
+    def admitted(self, request_id: str, num_cached_tokens: int) -> None:
+        """The request was scheduled for the first time with this hit."""
+        plan = self.plans.get(request_id)
+        if plan is None or plan.admitted:
+            return
+        plan.admitted = True
+        hit = min(num_cached_tokens, plan.compressed)
+        s = self.stats
+        s.record_admission(plan.prompt_len, plan.reusable, plan.compressed, plan.compressed, hit)
+        s.computed_prefill_tokens += plan.prompt_len - num_cached_tokens
+        if hit:
+            self.resumes += 1
+        if self.stats_log_interval and s.admissions % self.stats_log_interval == 0:
+            for line in self.stats_lines():
+                self._log(line)
+
+    def _oracle_tokens(self, block_hashes: Sequence, prompt_len: int) -> int:
+        H = self.hash_block_size
+        cap = min(len(block_hashes), (prompt_len - 1) // H)
+        seen = self._seen
+        n = 0
+        while n < cap and block_hashes[n] in seen:
+            n += 1
+        return n * H
+
+    # -- release -------------------------------------------------------
+    def finished(self, request_id: str, block_hashes: Iterable, kept_states: Iterable[int]) -> None:
+        """A request gave its pages back; `kept_states` are the positions of
+        the states it wrote that are still indexed (one state group's)."""
+        plan = self.plans.pop(request_id, None)
+        seen = self._seen
+        for h in block_hashes:
+            if len(seen) >= SEEN_HASH_LIMIT:
+                break
+            seen.add(h)
+        if plan is None:
+            return
+        prompt_end_block = (plan.prompt_len - 1) // self.block_size * self.block_size
+        for pos in kept_states:
+            if pos <= plan.hit:
+                continue
+            kind = plan.kinds.get(pos)
+            if kind is None:
+                # vLLM's own: the prompt's end, or a shared-prefix junction
+                kind = "anchor" if pos >= prompt_end_block else "junction"
+            self.stats.record_write(kind)
+
+    def eviction_order(self, blocks: Sequence[FreedBlock]) -> list:
+        """The order a freed request's pages go back to the LRU, first
+        evicted first.
+
+        A state checkpoint is worth something only with every KV page below
+        it, so a state and the KV pages between it and the next lower state
+        are one unit, and units leave from the top: a cut under pressure
+        shortens a conversation to its next lower checkpoint instead of
+        taking its states first and leaving KV nobody can resume on (vLLM's
+        own order frees the state groups before the attention group).
+        Uncached pages go first (vLLM reuses those before evicting anyway).
+        """
+        if not self.reuse_aware:
+            return [b.handle for b in blocks]
+        states = sorted({b.end for b in blocks if b.is_state and b.cached})
+        inf = float("inf")
+
+        def key(b: FreedBlock):
+            if not b.cached:
+                return (0, 0, 0, 0)
+            if b.is_state:
+                unit = b.end
+            else:
+                # the lowest state that needs this page: the first above its start
+                i = bisect.bisect_right(states, b.start)
+                unit = states[i] if i < len(states) else inf
+            return (1, -unit, 0 if b.is_state else 1, -b.end)
+
+        return [b.handle for b in sorted(blocks, key=key)]
+
+    # -- diagnostics ---------------------------------------------------
+    def stats_lines(self, pool: Optional[dict] = None, state: Optional[dict] = None) -> list[str]:
+        fates = dict(kept="n/a", dropped="n/a", evicted="n/a", orphaned="n/a", read=self.resumes)
+        return format_stats_lines(self.stats, fates, 0, pool or {}, state or {})
+

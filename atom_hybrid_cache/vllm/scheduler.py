@@ -1,0 +1,218 @@
+"""vLLM's scheduler with our checkpoint placement and eviction order.
+
+Select it with vLLM's own setting, `--scheduler-cls
+atom_hybrid_cache.vllm.scheduler.AtomScheduler` (`AtomAsyncScheduler` when
+async scheduling is on). It overrides three scheduler steps and nothing else:
+
+- `_mamba_block_aligned_split`: a Gated DeltaNet forward stores a state only
+  at its chunk's end, so a prefill chunk also ends on the next checkpoint
+  our planner placed (vLLM's own stops stay);
+- `_free_request_blocks`: a freed request's pages go back to the shared LRU
+  in our order (see `CheckpointPlanner.eviction_order`), and the earlier
+  checkpoints of the prefix it resumed on are refreshed with it;
+- `schedule`: counts each admission for the stats lines.
+
+Without `AtomStateManager` groups (plugin not enabled, a model without GDN
+layers, prefix caching off) it is vLLM's scheduler unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from ..config import SERVER_STATS_LOG_INTERVAL, CacheConfig, apply_env
+from .planner import CheckpointPlanner, FreedBlock
+from .state_manager import AtomStateManager
+
+logger = logging.getLogger("atom_hybrid_cache")
+
+
+class AtomSchedulerMixin:
+    _atom: Optional[CheckpointPlanner] = None
+
+    def _atom_setup(self) -> None:
+        self._atom = None
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        state_groups = [g for g, m in enumerate(managers) if isinstance(m, AtomStateManager)]
+        if not state_groups:
+            if any(isinstance(m.kv_cache_spec, MambaSpec) for m in managers):
+                logger.warning("atom_hybrid_cache: AtomScheduler runs, but no state group uses "
+                               "AtomStateManager (is VLLM_PLUGINS=atom_hybrid_cache set?): "
+                               "vLLM's own hybrid caching is in charge")
+            return
+        first = managers[state_groups[0]]
+        if not self.cache_config.enable_prefix_caching or first.mamba_cache_mode != "align":
+            return
+        env_cfg = apply_env(CacheConfig(), os.environ)
+        interval = env_cfg.stats_log_interval
+        if "ATOM_STATS_LOG_INTERVAL" not in os.environ:
+            interval = SERVER_STATS_LOG_INTERVAL
+        block_size = first.block_size
+        num_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks
+        max_seqs = self.scheduler_config.max_num_seqs
+        planner = CheckpointPlanner(
+            env_cfg.placement, block_size=block_size, hash_block_size=self.hash_block_size,
+            kv_share_tokens=(num_blocks - 1) * block_size // max_seqs,
+            stats_log_interval=interval)
+        for g in state_groups:
+            managers[g].planner = planner
+        self._atom = planner
+        self._atom_state_groups = state_groups
+        self._atom_kv_groups = [g for g, m in enumerate(managers)
+                                if not isinstance(m.kv_cache_spec, MambaSpec)]
+        logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
+                    "tokens, hash unit %d, pool %d blocks; placement %s",
+                    len(state_groups), len(self._atom_kv_groups), block_size,
+                    self.hash_block_size, num_blocks, env_cfg.placement)
+        if self.hash_block_size > 64:
+            logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; "
+                           "pass --prefix-match-unit 64 for finer hits", self.hash_block_size)
+
+    # -- admission and chunking ------------------------------------------
+    def _kv_prefix_tokens(self, request) -> int:
+        """How far the KV groups alone could serve this prompt: the
+        `compressed` length of the stats and the demand rung."""
+        pool = self.kv_cache_manager.block_pool
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        hashes = request.block_hashes
+        H = self.hash_block_size
+        limit = request.num_tokens - 1
+        best = None
+        for g in self._atom_kv_groups:
+            step = managers[g].block_size
+            n = 0
+            while n + step <= limit:
+                i = (n + step) // H - 1
+                if i >= len(hashes) or pool.get_cached_block(hashes[i], [g]) is None:
+                    break
+                n += step
+            best = n if best is None else min(best, n)
+        return best or 0
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens: int,
+                                   num_new_local_computed_tokens: int = 0,
+                                   num_external_computed_tokens: int = 0) -> int:
+        n = super()._mamba_block_aligned_split(request, num_new_tokens,
+                                               num_new_local_computed_tokens,
+                                               num_external_computed_tokens)
+        planner = self._atom
+        if planner is None or n <= 0:
+            return n
+        start = (request.num_computed_tokens + num_new_local_computed_tokens
+                 + num_external_computed_tokens)
+        rid = request.request_id
+        if request.num_computed_tokens == 0:
+            # Not started (new or preempted): plan from this admission's hit.
+            planner.plan(rid, request.num_prompt_tokens, request.block_hashes, hit=start,
+                         compressed=max(start, self._kv_prefix_tokens(request)))
+        return planner.chunk_stop(rid, start, start + n) - start
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        planner = self._atom
+        if planner is not None:
+            for new in out.scheduled_new_reqs:
+                planner.admitted(new.req_id, new.num_computed_tokens)
+        return out
+
+    # -- release ---------------------------------------------------------
+    def _free_request_blocks(self, request) -> None:
+        planner = self._atom
+        if planner is None or not planner.reuse_aware:
+            return super()._free_request_blocks(request)
+        rid = request.request_id
+        kvm = self.kv_cache_manager
+        pool = kvm.block_pool
+        managers = kvm.coordinator.single_type_managers
+        freed: list[FreedBlock] = []
+        held = set()
+        kept = []
+        for g, m in enumerate(managers):
+            is_state = isinstance(m.kv_cache_spec, MambaSpec)
+            size = m.block_size
+            for col, b in enumerate(m.pop_blocks_for_free(rid)):
+                cached = b.block_hash is not None and not b.is_null
+                if is_state:
+                    pos = (b.block_hash_num_tokens or 0) if cached else 0
+                    freed.append(FreedBlock(b, True, pos, pos, cached))
+                    if cached and g == self._atom_state_groups[0]:
+                        kept.append(pos)
+                else:
+                    freed.append(FreedBlock(b, False, col * size, (col + 1) * size, cached))
+                if not b.is_null:
+                    held.add(b.block_id)
+        freed += self._refreshed_states(request, held)
+        order = planner.eviction_order(freed)
+        H = self.hash_block_size
+        planner.finished(rid, request.block_hashes[:request.num_computed_tokens // H], kept)
+        if self._request_blocks_can_be_freed(request):
+            pool.free_blocks(order)
+        else:
+            # drained in reverse (see Scheduler._drain_deferred_frees)
+            self.deferred_frees.append((self.sched_step_seq, order[::-1]))
+
+    def _refreshed_states(self, request, held: set) -> list[FreedBlock]:
+        """The states already indexed on this request's prefix (earlier
+        turns' checkpoints), taken back so they leave with this request's
+        KV in unit order instead of where their own request left them."""
+        pool = self.kv_cache_manager.block_pool
+        plan = self._atom.plans.get(request.request_id)
+        extra = (plan.hit,) if plan is not None else ()
+        found = self._states_on_prefix(request, request.num_computed_tokens, extra=extra,
+                                       include=lambda b: b.block_id not in held)
+        out = []
+        for b, pos in found:
+            pool.touch([b])
+            held.add(b.block_id)
+            out.append(FreedBlock(b, True, pos, pos, True))
+        return out
+
+    def _states_on_prefix(self, request, upto: int, extra=(), include=lambda b: True):
+        """(block, position) of every indexed state of our groups at a state
+        block boundary <= upto (and at the `extra` positions) of this
+        request's tokens."""
+        pool = self.kv_cache_manager.block_pool
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        hashes = request.block_hashes
+        H = self.hash_block_size
+        out = []
+        seen = set()
+        for g in self._atom_state_groups:
+            step = managers[g].block_size
+            positions = list(range(step, upto + 1, step))
+            positions += [p for p in extra if p % step and 0 < p <= upto]
+            for pos in positions:
+                i = pos // H - 1
+                if pos % H or i >= len(hashes):
+                    continue
+                hit = pool.get_cached_block(hashes[i], [g])
+                if hit is None:
+                    continue
+                b = hit[0]
+                if b.block_id in seen or b.block_hash_num_tokens != pos or not include(b):
+                    continue
+                seen.add(b.block_id)
+                out.append((b, pos))
+        return out
+
+    # -- diagnostics -----------------------------------------------------
+    def atom_stats_lines(self) -> list[str]:
+        return [] if self._atom is None else self._atom.stats_lines()
+
+
+class AtomScheduler(AtomSchedulerMixin, Scheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._atom_setup()
+
+
+class AtomAsyncScheduler(AtomSchedulerMixin, AsyncScheduler):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._atom_setup()
