@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 from ..config import PlacementConfig
 from ..core.placement import CheckpointTargets, plan_checkpoints, snap_interval
@@ -42,8 +42,7 @@ class RequestPlan:
     admitted: bool = False
 
 
-@dataclass(frozen=True)
-class FreedBlock:
+class FreedBlock(NamedTuple):
     """One page a freed request gives back, as the scheduler classified it.
 
     A KV page holds tokens [start, end); a state page holds the state after
@@ -178,19 +177,18 @@ class CheckpointPlanner:
             return [b.handle for b in blocks]
         states = sorted({b.end for b in blocks if b.is_state and b.cached})
         inf = float("inf")
-
-        def key(b: FreedBlock):
+        first, keyed = [], []
+        for b in blocks:
             if not b.cached:
-                return (0, 0, 0, 0)
-            if b.is_state:
-                unit = b.end
+                first.append(b.handle)
+            elif b.is_state:
+                keyed.append((-b.end, 0, -b.end, b.handle))
             else:
                 # the lowest state that needs this page: the first above its start
                 i = bisect.bisect_right(states, b.start)
-                unit = states[i] if i < len(states) else inf
-            return (1, -unit, 0 if b.is_state else 1, -b.end)
-
-        return [b.handle for b in sorted(blocks, key=key)]
+                keyed.append((-(states[i] if i < len(states) else inf), 1, -b.end, b.handle))
+        keyed.sort(key=lambda k: k[:3])
+        return first + [k[3] for k in keyed]
 
     # -- diagnostics ---------------------------------------------------
     def stats_lines(self, pool: Optional[dict] = None, state: Optional[dict] = None) -> list[str]:

@@ -32,6 +32,9 @@ from .state_manager import AtomStateManager
 
 logger = logging.getLogger("atom_hybrid_cache")
 
+# How far down (in state pages) a fallback state is looked for on release.
+STATE_SEARCH_PAGES = 64
+
 
 class AtomSchedulerMixin:
     _atom: Optional[CheckpointPlanner] = None
@@ -108,9 +111,12 @@ class AtomSchedulerMixin:
                  + num_external_computed_tokens)
         rid = request.request_id
         if request.num_computed_tokens == 0:
-            # Not started (new or preempted): plan from this admission's hit.
-            planner.plan(rid, request.num_prompt_tokens, request.block_hashes, hit=start,
-                         compressed=max(start, self._kv_prefix_tokens(request)))
+            # Not started (new or preempted): plan from this admission's hit
+            # (a request waiting for room is asked again every step).
+            plan = planner.plans.get(rid)
+            if plan is None or plan.hit != start:
+                planner.plan(rid, request.num_prompt_tokens, request.block_hashes, hit=start,
+                             compressed=max(start, self._kv_prefix_tokens(request)))
         return planner.chunk_stop(rid, start, start + n) - start
 
     def schedule(self, *args, **kwargs):
@@ -124,33 +130,41 @@ class AtomSchedulerMixin:
     # -- release ---------------------------------------------------------
     def _free_request_blocks(self, request) -> None:
         planner = self._atom
-        if planner is None or not planner.reuse_aware:
+        if planner is None:
             return super()._free_request_blocks(request)
         rid = request.request_id
+        H = self.hash_block_size
+        prefix = request.block_hashes[:request.num_computed_tokens // H]
+        if not planner.reuse_aware:
+            planner.finished(rid, prefix, ())
+            return super()._free_request_blocks(request)
         kvm = self.kv_cache_manager
         pool = kvm.block_pool
         managers = kvm.coordinator.single_type_managers
         freed: list[FreedBlock] = []
+        nulls = []
         held = set()
         kept = []
+        primary = self._atom_state_groups[0]
         for g, m in enumerate(managers):
             is_state = isinstance(m.kv_cache_spec, MambaSpec)
             size = m.block_size
             for col, b in enumerate(m.pop_blocks_for_free(rid)):
-                cached = b.block_hash is not None and not b.is_null
+                if b.is_null:
+                    nulls.append(b)   # vLLM passes them too; free_blocks skips them
+                    continue
+                held.add(b.block_id)
+                cached = b.block_hash is not None
                 if is_state:
                     pos = (b.block_hash_num_tokens or 0) if cached else 0
                     freed.append(FreedBlock(b, True, pos, pos, cached))
-                    if cached and g == self._atom_state_groups[0]:
+                    if cached and g == primary:
                         kept.append(pos)
                 else:
                     freed.append(FreedBlock(b, False, col * size, (col + 1) * size, cached))
-                if not b.is_null:
-                    held.add(b.block_id)
         freed += self._refreshed_states(request, held)
-        order = planner.eviction_order(freed)
-        H = self.hash_block_size
-        planner.finished(rid, request.block_hashes[:request.num_computed_tokens // H], kept)
+        order = nulls + planner.eviction_order(freed)
+        planner.finished(rid, prefix, kept)
         if self._request_blocks_can_be_freed(request):
             pool.free_blocks(order)
         else:
@@ -158,48 +172,47 @@ class AtomSchedulerMixin:
             self.deferred_frees.append((self.sched_step_seq, order[::-1]))
 
     def _refreshed_states(self, request, held: set) -> list[FreedBlock]:
-        """The states already indexed on this request's prefix (earlier
-        turns' checkpoints), taken back so they leave with this request's
-        KV in unit order instead of where their own request left them."""
-        pool = self.kv_cache_manager.block_pool
+        """A few states other requests left on this prefix, taken back so
+        they leave with this request's KV in unit order: the one it resumed
+        from and, as fallbacks, the highest below each fallback fraction of
+        its length. Older anchors beyond those are history and stay where
+        their own request left them in the LRU."""
         plan = self._atom.plans.get(request.request_id)
-        extra = (plan.hit,) if plan is not None else ()
-        found = self._states_on_prefix(request, request.num_computed_tokens, extra=extra,
-                                       include=lambda b: b.block_id not in held)
+        end = request.num_computed_tokens
+        step = self._atom.block_size
+        wanted = [plan.hit] if plan is not None and plan.hit else []
+        wanted += [int(end * f) // step * step for f in self._atom.placement.fallback_fractions]
+        pool = self.kv_cache_manager.block_pool
         out = []
-        for b, pos in found:
-            pool.touch([b])
-            held.add(b.block_id)
-            out.append(FreedBlock(b, True, pos, pos, True))
+        for top in wanted:
+            for pos, blocks in self._highest_state_at_or_below(request, top):
+                new = [b for b in blocks if b.block_id not in held]
+                pool.touch(new)
+                for b in new:
+                    held.add(b.block_id)
+                    out.append(FreedBlock(b, True, pos, pos, True))
         return out
 
-    def _states_on_prefix(self, request, upto: int, extra=(), include=lambda b: True):
-        """(block, position) of every indexed state of our groups at a state
-        block boundary <= upto (and at the `extra` positions) of this
-        request's tokens."""
+    def _highest_state_at_or_below(self, request, top: int):
+        """[(position, pages of every state group)] for the highest position
+        <= top where all our state groups index this request's prefix;
+        looks at most STATE_SEARCH_PAGES pages down."""
         pool = self.kv_cache_manager.block_pool
-        managers = self.kv_cache_manager.coordinator.single_type_managers
         hashes = request.block_hashes
         H = self.hash_block_size
-        out = []
-        seen = set()
-        for g in self._atom_state_groups:
-            step = managers[g].block_size
-            positions = list(range(step, upto + 1, step))
-            positions += [p for p in extra if p % step and 0 < p <= upto]
-            for pos in positions:
-                i = pos // H - 1
-                if pos % H or i >= len(hashes):
-                    continue
-                hit = pool.get_cached_block(hashes[i], [g])
-                if hit is None:
-                    continue
-                b = hit[0]
-                if b.block_id in seen or b.block_hash_num_tokens != pos or not include(b):
-                    continue
-                seen.add(b.block_id)
-                out.append((b, pos))
-        return out
+        groups = self._atom_state_groups
+        step = self._atom.block_size
+        pos = top  # the resume point itself may be sub-page; then page by page
+        for _ in range(STATE_SEARCH_PAGES):
+            if pos <= 0:
+                break
+            i = pos // H - 1
+            if pos % H == 0 and i < len(hashes):
+                hit = pool.get_cached_block(hashes[i], groups)
+                if hit is not None and all(b.block_hash_num_tokens == pos for b in hit):
+                    return [(pos, hit)]
+            pos = (pos - 1) // step * step
+        return []
 
     # -- diagnostics -----------------------------------------------------
     def atom_stats_lines(self) -> list[str]:
