@@ -109,8 +109,7 @@ DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 # Small default: short traces whose first requests survive the elide rule
 # (several turns each at 2000 tokens), so the run fits a 2-core machine.
 DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
-KNOWN_POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control", "plugin"]
-DEFAULT_POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control", "plugin"]
+POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control", "plugin"]
 TINY_VOCAB_WORDS = 4000            # ids map to 1..4000 (< tiny_model.NUM_WORDS)
 MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache group each)
 MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
@@ -358,15 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=None, help="requests per conversation")
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--pool-multiples", default="1.25,1.0,0.83")
-    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
 
     t_start = time.monotonic()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
-        if p not in KNOWN_POLICIES:         # fail early on typos
-            ap.error(f"unknown policy {p!r} (known: {', '.join(KNOWN_POLICIES)})")
+        if p not in POLICIES:               # fail early on typos
+            ap.error(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
     multiples = [float(x) for x in args.pool_multiples.split(",") if x.strip()]
     paths = resolve_trace_paths(args.traces, args.trace_dir)
     convs = build_workload(paths, args.max_prompt, args.head, args.max_requests)

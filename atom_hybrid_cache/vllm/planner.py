@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from ..config import PlacementConfig
 from ..core.placement import CheckpointTargets, plan_checkpoints, snap_interval
@@ -37,8 +37,10 @@ class RequestPlan:
     reusable: int
     targets: CheckpointTargets
     # every planned position -> kind, kept after the stop is passed: the
-    # state managers retain these and the stats name the kind written
+    # stats name the kind written
     kinds: dict = field(default_factory=dict)
+    # the same positions, for the state managers' retention (read per step)
+    retained: tuple = ()
     admitted: bool = False
 
 
@@ -72,7 +74,6 @@ class CheckpointPlanner:
         self._log = log
         self.plans: dict[str, RequestPlan] = {}
         self._seen: set = set()
-        self.resumes = 0
 
     # -- admission -----------------------------------------------------
     def plan(self, request_id: str, prompt_len: int, block_hashes: Sequence, *,
@@ -94,7 +95,8 @@ class CheckpointPlanner:
             if kind == "anchor" or pos % B:
                 targets.positions.remove(pos)
                 del targets.kinds[pos]
-        plan = RequestPlan(prompt_len, hit, compressed, reusable, targets, dict(targets.kinds))
+        plan = RequestPlan(prompt_len, hit, compressed, reusable, targets, dict(targets.kinds),
+                           tuple(targets.kinds))
         self.plans[request_id] = plan
         return plan
 
@@ -105,14 +107,11 @@ class CheckpointPlanner:
         if plan is None:
             return end
         t = plan.targets.earliest_in(start, end - 1)
-        if t is None:
-            return end
-        self.stats.record_cut(plan.kinds[t])
-        return t
+        return end if t is None else t
 
     def retained_positions(self, request_id: str) -> tuple:
         plan = self.plans.get(request_id)
-        return tuple(plan.kinds) if plan is not None else ()
+        return plan.retained if plan is not None else ()
 
     def admitted(self, request_id: str, num_cached_tokens: int) -> None:
         """The request was scheduled for the first time with this hit."""
@@ -124,8 +123,6 @@ class CheckpointPlanner:
         s = self.stats
         s.record_admission(plan.prompt_len, plan.reusable, plan.compressed, plan.compressed, hit)
         s.computed_prefill_tokens += plan.prompt_len - num_cached_tokens
-        if hit:
-            self.resumes += 1
         if self.stats_log_interval and s.admissions % self.stats_log_interval == 0:
             for line in self.stats_lines():
                 self._log(line)
@@ -191,7 +188,9 @@ class CheckpointPlanner:
         return first + [k[3] for k in keyed]
 
     # -- diagnostics ---------------------------------------------------
-    def stats_lines(self, pool: Optional[dict] = None, state: Optional[dict] = None) -> list[str]:
-        fates = dict(kept="n/a", dropped="n/a", evicted="n/a", orphaned="n/a", read=self.resumes)
-        return format_stats_lines(self.stats, fates, 0, pool or {}, state or {})
+    def stats_lines(self) -> list[str]:
+        # vLLM's block pool evicts silently: only reads are known
+        fates = dict(kept="n/a", dropped="n/a", evicted="n/a", orphaned="n/a",
+                     read=self.stats.resumed)
+        return format_stats_lines(self.stats, fates, 0, {}, {})
 

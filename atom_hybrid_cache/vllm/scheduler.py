@@ -214,10 +214,6 @@ class AtomSchedulerMixin:
             pos = (pos - 1) // step * step
         return []
 
-    # -- diagnostics -----------------------------------------------------
-    def atom_stats_lines(self) -> list[str]:
-        return [] if self._atom is None else self._atom.stats_lines()
-
 
 class AtomScheduler(AtomSchedulerMixin, Scheduler):
     def __init__(self, *args, **kwargs) -> None:

@@ -31,13 +31,8 @@ the module (~35 s with interpreter start-up and ``import vllm``).
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 TRACES = ["trace_0556", "trace_0732", "trace_0460"]
 MAX_PROMPT = 2000
 IN_FLIGHT = 2
@@ -49,18 +44,9 @@ NATIVE_CACHED = 12928         # vLLM default (block-granular hits)
 NATIVE_PMU64_CACHED = 13184   # prefix_match_unit=64
 
 
-def _bench():
-    path = REPO / "benchmarks" / "e2e_pressure.py"
-    spec = importlib.util.spec_from_file_location("e2e_pressure", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("e2e_pressure", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
-def workload():
-    E = _bench()
+def workload(pressure_bench):
+    E = pressure_bench
     try:
         paths = E.resolve_trace_paths(TRACES)
     except FileNotFoundError as exc:

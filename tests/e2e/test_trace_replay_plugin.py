@@ -21,13 +21,8 @@ off,native-pmu64,plugin``. About 60-100 s on the 2-core machine.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
 POOL_MULTIPLE = 0.83
 IN_FLIGHT = 4
 
@@ -37,17 +32,9 @@ NATIVE_PMU64_CACHED = 13760
 PLUGIN_CACHED = 15744
 
 
-def _bench():
-    path = REPO / "benchmarks" / "e2e_pressure.py"
-    spec = importlib.util.spec_from_file_location("e2e_pressure", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("e2e_pressure", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, monkeypatch):
-    E = _bench()
+def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, monkeypatch,
+                                                                     pressure_bench):
+    E = pressure_bench
     try:
         paths = E.resolve_trace_paths(None)
     except FileNotFoundError as exc:
