@@ -15,6 +15,13 @@ geometry in bf16:
 - `cut`         the rows cut onto their targets: one forward per piece,
                 carrying the state, as without interior states.
 
+Wall times are medians of interleaved iterations (one of each variant per
+round, so clock and thermal drift hit them alike). A standalone `ckpt` wall
+time is mostly host launch cost: the GPU idles while Python launches it,
+which inside a forward it does not. So the cost of extraction is also taken
+from the profiler: device time of the extraction kernel over the device time
+of the forward's kernels, summed over the same iterations (`ckpt_share`).
+
 Needs a CUDA GPU, Triton and fla-core.
 """
 
@@ -26,23 +33,46 @@ import statistics
 import sys
 
 
-def _time_ms(fn, warmup=3, iters=10):
+def _time_interleaved_ms(fns: dict, warmup=3, rounds=30) -> dict:
     import torch
-    for _ in range(warmup):
-        fn()
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times[name].append(start.elapsed_time(end))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _device_us_by_kernel(fn, iters=10) -> dict:
+    """Device time (us per iteration) of each GPU kernel `fn` launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
         torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    out = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = e.self_cuda_time_total
+        if us > 0:
+            out[e.key] = out.get(e.key, 0.0) + us / iters
+    return out
 
 
-def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int) -> dict:
+def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int,
+               with_cut: bool = True) -> dict:
     import torch
     import torch.nn.functional as F
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -106,9 +136,15 @@ def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int) -> d
             state = gated_delta_chunk_forward(q[idx], k[idx], v[idx], g[idx], beta[idx], piece,
                                               initial_state=state, backend="fla").final_state
 
-    out = {name: _time_ms(fn) for name, fn in
-           [("fla", plain), ("keep-h", keep_h), ("keep-h+ckpt", keep_h_ckpt), ("ckpt", extract),
-            ("cut", cut)]}
+    variants = {"fla": plain, "keep-h": keep_h, "keep-h+ckpt": keep_h_ckpt, "ckpt": extract}
+    if with_cut:
+        variants["cut"] = cut
+    out = _time_interleaved_ms(variants)
+    kernels = _device_us_by_kernel(keep_h_ckpt)
+    ckpt_us = sum(us for name, us in kernels.items() if "store_checkpoints" in name)
+    forward_us = sum(kernels.values()) - ckpt_us
+    out.update(ckpt_device_us=ckpt_us, forward_device_us=forward_us,
+               ckpt_share=ckpt_us / forward_us if forward_us else float("nan"))
     out.update(kind="kda" if kda else "gdn", rows=rows, row_tokens=row_tokens, targets=len(writes))
     return out
 
@@ -119,6 +155,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=4)
     ap.add_argument("--row-tokens", type=int, default=8192)
     ap.add_argument("--targets-per-row", type=int, default=4)
+    ap.add_argument("--no-cut", action="store_true", help="skip the cut-prefill variant")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     import torch
@@ -126,12 +163,16 @@ def main(argv=None) -> int:
         print("bench: needs a CUDA GPU", file=sys.stderr)
         return 2
     kinds = [False, True] if a.kind == "both" else [a.kind == "kda"]
-    results = [bench_kind(kda, a.rows, a.row_tokens, a.targets_per_row) for kda in kinds]
+    results = [bench_kind(kda, a.rows, a.row_tokens, a.targets_per_row, with_cut=not a.no_cut)
+               for kda in kinds]
     print(f"{'kind':5} {'tokens':>7} {'targets':>7} {'fla':>8} {'keep-h':>8} {'+ckpt':>8} "
-          f"{'ckpt':>8} {'cut':>8}  (ms per layer)")
+          f"{'ckpt':>8} {'cut':>8} | {'fwd dev':>8} {'ckpt dev':>8} {'share':>7}")
     for r in results:
         print(f"{r['kind']:5} {r['rows'] * r['row_tokens']:>7} {r['targets']:>7} {r['fla']:8.3f} "
-              f"{r['keep-h']:8.3f} {r['keep-h+ckpt']:8.3f} {r['ckpt']:8.3f} {r['cut']:8.3f}")
+              f"{r['keep-h']:8.3f} {r['keep-h+ckpt']:8.3f} {r['ckpt']:8.3f} "
+              f"{r.get('cut', float('nan')):8.3f} | {r['forward_device_us'] / 1e3:8.3f} "
+              f"{r['ckpt_device_us'] / 1e3:8.3f} {r['ckpt_share']:7.2%}")
+    print("(wall: ms per layer, interleaved medians; dev: profiler device ms per layer)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)
