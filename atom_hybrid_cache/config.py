@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional
 
 EVICTION_POLICIES = ("reuse-aware", "lru")
+INTERIOR_CHECKPOINT_MODES = ("off", "on")
+ADMISSION_ORDERS = ("arrival", "hits-first")
 
 # Checkpoint-only slots per request slot when state_checkpoint_slots is not
 # set: room for each conversation's anchor, its insurance one block lower,
@@ -70,6 +72,13 @@ class CacheConfig:
     state_checkpoint_slots: Optional[int] = None
     successor_room: int = 1
     interior_states_readable: bool = False
+    # vLLM plugin: "on" writes planned checkpoints from inside a prefill
+    # forward where this package has an extraction path for the platform
+    # (vLLM's CPU GDN path); "off" cuts prefill chunks onto them
+    interior_checkpoints: str = "off"
+    # vLLM plugin: "hits-first" admits the waiting requests that resume on a
+    # cached prefix first (largest hit first); "arrival" keeps vLLM's order
+    admission_order: str = "arrival"
     stats_log_interval: int = 0
     strict_stats: bool = False
     # Replay only: a free state at every block boundary, i.e. an
@@ -111,6 +120,12 @@ def validate(cfg: CacheConfig) -> None:
     _non_negative("state_checkpoint_slots", cfg.state_checkpoint_slots)
     _positive("successor_room", cfg.successor_room)
     _non_negative("stats_log_interval", cfg.stats_log_interval)
+    if cfg.admission_order not in ADMISSION_ORDERS:
+        raise ConfigError(f"admission_order must be one of {ADMISSION_ORDERS}, "
+                          f"got {cfg.admission_order!r}")
+    if cfg.interior_checkpoints not in INTERIOR_CHECKPOINT_MODES:
+        raise ConfigError(f"interior_checkpoints must be one of {INTERIOR_CHECKPOINT_MODES}, "
+                          f"got {cfg.interior_checkpoints!r}")
     p = cfg.placement
     if not isinstance(p.interval_tokens, int) or p.interval_tokens < -1:
         raise ConfigError("state_checkpoint_interval_tokens must be > 0, 0 (off) or -1 "
@@ -200,6 +215,15 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
     "ATOM_STATE_CHECKPOINT_INSURE_DISTANCE": (
         "placement", "insure_distance_tokens", _parse_int,
         "how many tokens below the anchor that insurance checkpoint sits (rounded up to a block)"),
+    "ATOM_INTERIOR_CHECKPOINTS": (
+        "cache", "interior_checkpoints", _parse_choice(INTERIOR_CHECKPOINT_MODES),
+        "on: write checkpoints from inside a prefill forward where the platform has the "
+        "extraction path (vLLM's CPU GDN path; elsewhere chunks are still cut); "
+        "off: cut prefill chunks onto them"),
+    "ATOM_ADMISSION_ORDER": (
+        "cache", "admission_order", _parse_choice(ADMISSION_ORDERS),
+        "hits-first: among the first max_num_seqs waiting requests, admit those that resume on a "
+        "cached prefix first, largest hit first; arrival: vLLM's order"),
     "ATOM_STATS_LOG_INTERVAL": (
         "cache", "stats_log_interval", _parse_int,
         "print the cache log lines every N admissions (0: never)"),

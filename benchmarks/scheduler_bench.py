@@ -167,12 +167,16 @@ class Policy:
     block_size: Optional[int]  # --block-size (None: vLLM's default, 16)
     prefix_match_unit: Optional[int]  # --prefix-match-unit
     plugin: bool = False
+    # ATOM_* settings exported while the plugin's scheduler is built
+    env: tuple = ()
 
 
 POLICIES: dict[str, Policy] = {
     "native": Policy("native", None, None),
     "native-pmu64": Policy("native-pmu64", 64, 64),
     "plugin": Policy("plugin", 64, 64, plugin=True),
+    "plugin-hits-first": Policy("plugin-hits-first", 64, 64, plugin=True,
+                                env=(("ATOM_ADMISSION_ORDER", "hits-first"),)),
 }
 
 
@@ -576,7 +580,16 @@ def run_point(conversations: list, policy: Policy | str, *, concurrency: int, me
     res.num_blocks = built.kv_cache_config.num_blocks
     if log:
         log(f"[{policy.name} c{concurrency}/{memory_gib:g} GiB] {res.geometry}")
-    sched = make_scheduler(built, sched_cls)
+    saved = {k: os.environ.get(k) for k, _ in policy.env}
+    os.environ.update(dict(policy.env))
+    try:
+        sched = make_scheduler(built, sched_cls)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     res.scheduler = type(sched).__name__
 
     hash_fn = get_hash_fn_by_name(built.vllm_config.cache_config.prefix_caching_hash_algo)

@@ -1,18 +1,74 @@
 """Our Gated DeltaNet layer for Qwen3-Next / Qwen3.5: vLLM's own, declaring
-`AtomGDNSpec` so the scheduler gives its state groups our manager.
+`AtomGDNSpec` so the scheduler gives its state groups our manager, and
+writing interior checkpoints from inside prefill forwards where it can.
 
 Registered with `QwenGatedDeltaNetAttention.register_oot`: vLLM swaps the
 class when the model builds the layer (a PluggableLayer, not a CustomOp).
+
+Interior checkpoints (`ATOM_INTERIOR_CHECKPOINTS=on`; off by default, see
+docs/vllm_adapter.md for why) are declared only where this layer has the
+path: vLLM's CPU forward without speculative decoding, in align mode.
+Elsewhere the spec says no, and the scheduler cuts prefill chunks onto the
+checkpoints instead.
 """
 
 from __future__ import annotations
 
-from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+import os
 
+import torch
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
+from vllm.platforms import current_platform
+from vllm.utils.torch_utils import _encode_layer_name
+
+from ..config import CacheConfig, apply_env
+from ..kernels.capability import interior_states_readable
+from .gdn_backend import AtomGDNBackend
 from .spec import AtomGDNSpec
 
 
+def interior_checkpoints_available(vllm_config) -> bool:
+    cache = vllm_config.cache_config
+    return (apply_env(CacheConfig(), os.environ).interior_checkpoints == "on"
+            and interior_states_readable(["gated_delta_net"])
+            and current_platform.is_cpu()
+            and vllm_config.speculative_config is None
+            and cache.enable_prefix_caching and cache.mamba_cache_mode == "align")
+
+
 class AtomGDN(QwenGatedDeltaNetAttention):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if current_platform.is_cpu():
+            from .interior_cpu import register_cpu_op
+            register_cpu_op()
+
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
-        return None if spec is None else AtomGDNSpec.from_mamba_spec(spec)
+        if spec is None:
+            return None
+        return AtomGDNSpec.from_mamba_spec(
+            spec, interior_checkpoints=interior_checkpoints_available(vllm_config))
+
+    def get_attn_backend(self):
+        return AtomGDNBackend
+
+    def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """vLLM's CPU forward, calling our core op: it runs vLLM's core and
+        then writes the step's interior checkpoints (if any)."""
+        mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
+        ba, _ = self.in_proj_ba(hidden_states)
+        if self.gqa_interleaved_layout:  # Qwen3-Next packs q, k, v, z per k-head group
+            q, k, v, z, b, a = self.fix_query_key_value_ordering(mixed_qkvz, ba)
+            mixed_qkv = torch.cat([t.flatten(1) for t in (q, k, v)], dim=-1)
+        else:  # Qwen3.5: [q, k, v, z] and [b, a] already
+            qkv = (2 * self.key_dim + self.value_dim) // self.tp_size
+            mixed_qkv, z = mixed_qkvz.split([qkv, self.value_dim // self.tp_size], dim=-1)
+            z = z.reshape(z.size(0), -1, self.head_v_dim)
+            b, a = ba.chunk(2, dim=-1)
+        core_attn_out = torch.zeros(
+            (hidden_states.size(0), self.num_v_heads // self.tp_size, self.head_v_dim),
+            dtype=hidden_states.dtype, device=hidden_states.device)
+        torch.ops.vllm.atom_gdn_attention_core_cpu(mixed_qkv, b, a, core_attn_out,
+                                                   _encode_layer_name(self.prefix))
+        return self._output_projection(core_attn_out, z)

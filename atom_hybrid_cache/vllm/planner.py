@@ -60,6 +60,7 @@ class FreedBlock(NamedTuple):
 class CheckpointPlanner:
     def __init__(self, placement: PlacementConfig, *, block_size: int, hash_block_size: int,
                  kv_share_tokens: int, stats_log_interval: int,
+                 interior_readable: bool = False,
                  log: Callable[[str], None] = logger.info,
                  warn: Callable[[str], None] = logger.warning) -> None:
         self.placement = placement
@@ -71,6 +72,10 @@ class CheckpointPlanner:
         self.reuse_aware = placement.eviction == "reuse-aware"
         self.stats = CacheStats()
         self.stats_log_interval = stats_log_interval
+        # One switch for both gates: with it, chunks are not cut and the
+        # state managers give the forward a page at every planned position
+        # inside its span instead (written by the GDN layer).
+        self.interior_readable = interior_readable
         self._log = log
         self.plans: dict[str, RequestPlan] = {}
         self._seen: set = set()
@@ -102,12 +107,22 @@ class CheckpointPlanner:
 
     def chunk_stop(self, request_id: str, start: int, end: int) -> int:
         """Where a prefill chunk [start, end) must end so that every planned
-        checkpoint in it is a chunk end (GDN stores a state only there)."""
+        checkpoint in it is a chunk end: without interior extraction a GDN
+        forward stores a state only there."""
         plan = self.plans.get(request_id)
-        if plan is None:
+        if plan is None or self.interior_readable:
             return end
         t = plan.targets.earliest_in(start, end - 1)
         return end if t is None else t
+
+    def interior_positions(self, request_id: str, start: int, end: int) -> list:
+        """Planned positions strictly inside a forward over [start, end): the
+        ones its GDN layers must write from inside it (the state at `end`
+        is the forward's own). Empty unless interior extraction is on."""
+        plan = self.plans.get(request_id)
+        if plan is None or not self.interior_readable:
+            return []
+        return [p for p in plan.retained if start < p < end]
 
     def retained_positions(self, request_id: str) -> tuple:
         plan = self.plans.get(request_id)

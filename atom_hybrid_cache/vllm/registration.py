@@ -3,7 +3,8 @@
 All of it goes through vLLM's registries; nothing is monkeypatched.
 Written against vLLM 0.32.0:
 - `KVCacheSpecRegistry.register(AtomGDNSpec, AtomStateManager,
-  uniform_type_base_spec=MambaSpec)` (vllm/v1/kv_cache_spec_registry.py);
+  uniform_type_base_spec=MambaSpec)` and the same for `AtomGDNInteriorSpec`
+  with `AtomInteriorStateManager` (vllm/v1/kv_cache_spec_registry.py);
 - `QwenGatedDeltaNetAttention.register_oot(AtomGDN)` (PluggableLayer,
   vllm/model_executor/custom_op.py);
 - the scheduler is chosen by vLLM's own `--scheduler-cls` setting
@@ -24,13 +25,15 @@ def register_cache_manager() -> None:
     from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from .spec import AtomGDNSpec
-    from .state_manager import AtomStateManager
+    from .spec import AtomGDNInteriorSpec, AtomGDNSpec
+    from .state_manager import AtomInteriorStateManager, AtomStateManager
 
     # vLLM registers its built-ins only into an empty registry: let it go
     # first, or our entry would make it skip them.
     KVCacheSpecRegistry._ensure_registered()
     KVCacheSpecRegistry.register(AtomGDNSpec, AtomStateManager, uniform_type_base_spec=MambaSpec)
+    KVCacheSpecRegistry.register(AtomGDNInteriorSpec, AtomInteriorStateManager,
+                                 uniform_type_base_spec=MambaSpec)
     _done["manager"] = True
 
 

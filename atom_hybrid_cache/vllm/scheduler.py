@@ -4,13 +4,18 @@ Select it with vLLM's own setting, `--scheduler-cls
 atom_hybrid_cache.vllm.scheduler.AtomScheduler` (`AtomAsyncScheduler` when
 async scheduling is on). It overrides three scheduler steps and nothing else:
 
-- `_mamba_block_aligned_split`: a Gated DeltaNet forward stores a state only
-  at its chunk's end, so a prefill chunk also ends on the next checkpoint
-  our planner placed (vLLM's own stops stay);
+- `_mamba_block_aligned_split`: where the GDN layers cannot write states
+  from inside a forward (see `AtomGDNSpec.interior_checkpoints`), a forward
+  stores a state only at its chunk's end, so a prefill chunk also ends on
+  the next checkpoint our planner placed (vLLM's own stops stay); where they
+  can, chunks are not cut;
 - `_free_request_blocks`: a freed request's pages go back to the shared LRU
   in our order (see `CheckpointPlanner.eviction_order`), and the earlier
   checkpoints of the prefix it resumed on are refreshed with it;
-- `schedule`: counts each admission for the stats lines.
+- `schedule`: counts each admission for the stats lines; with
+  `ATOM_ADMISSION_ORDER=hits-first` it first puts the waiting requests that
+  can resume on a cached prefix ahead of those that cannot (see
+  `_order_waiting`).
 
 Without `AtomStateManager` groups (plugin not enabled, a model without GDN
 layers, prefix caching off) it is vLLM's scheduler unchanged.
@@ -18,8 +23,10 @@ layers, prefix caching off) it is vLLM's scheduler unchanged.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+from collections import deque
 from typing import Optional
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -62,17 +69,24 @@ class AtomSchedulerMixin:
         planner = CheckpointPlanner(
             env_cfg.placement, block_size=block_size, hash_block_size=self.hash_block_size,
             kv_share_tokens=(num_blocks - 1) * block_size // max_seqs,
-            stats_log_interval=interval)
+            stats_log_interval=interval,
+            interior_readable=bool(getattr(first.kv_cache_spec, "interior_checkpoints", False)))
         for g in state_groups:
             managers[g].planner = planner
         self._atom = planner
+        self._atom_hits_first = env_cfg.admission_order == "hits-first"
+        self._atom_passed_over: dict = {}
         self._atom_state_groups = state_groups
         self._atom_kv_groups = [g for g, m in enumerate(managers)
                                 if not isinstance(m.kv_cache_spec, MambaSpec)]
         logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
-                    "tokens, hash unit %d, pool %d blocks; placement %s",
+                    "tokens, hash unit %d, pool %d blocks; checkpoints %s; admission order %s; "
+                    "placement %s",
                     len(state_groups), len(self._atom_kv_groups), block_size,
-                    self.hash_block_size, num_blocks, env_cfg.placement)
+                    self.hash_block_size, num_blocks,
+                    "written inside prefill forwards" if planner.interior_readable
+                    else "at prefill chunk ends (chunks cut onto them)",
+                    env_cfg.admission_order, env_cfg.placement)
         if self.hash_block_size > 64:
             logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; "
                            "pass --prefix-match-unit 64 for finer hits", self.hash_block_size)
@@ -119,12 +133,56 @@ class AtomSchedulerMixin:
                              compressed=max(start, self._kv_prefix_tokens(request)))
         return planner.chunk_stop(rid, start, start + n) - start
 
+    def _order_waiting(self) -> None:
+        """Waiting requests that resume on a cached prefix go ahead of those
+        that do not, among the first max_num_seqs waiting (FCFS queues only).
+
+        Why: vLLM admits in arrival order, and a cold prefill takes the
+        step's token budget and allocates its pages before the requests
+        behind it are looked up; those pages come from the LRU head, where
+        the prefixes of the waiting requests sit. Admitted first, a request
+        holds its prefix. A request passed over max_num_seqs times keeps its
+        place from then on, so none waits without bound."""
+        waiting = self.waiting
+        if not isinstance(waiting, deque) or len(waiting) < 2:
+            return
+        if len(self.running) >= self.scheduler_config.max_num_seqs:
+            return
+        window = list(itertools.islice(waiting, self.scheduler_config.max_num_seqs))
+        coordinator = self.kv_cache_manager.coordinator
+        passed = self._atom_passed_over
+        limit = self.scheduler_config.max_num_seqs
+
+        def rank(request) -> tuple:
+            if passed.get(request.request_id, 0) >= limit:
+                return (0, 0)
+            if request.num_computed_tokens or not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+                return (1, 0)
+            hit = coordinator.find_longest_cache_hit(request.block_hashes,
+                                                     request.num_tokens - 1)[1]
+            return (1, -hit) if hit else (2, 0)
+
+        ranks = [rank(r) for r in window]
+        order = sorted(range(len(window)), key=lambda i: ranks[i])
+        if order == list(range(len(window))):
+            return
+        for pos, i in enumerate(order):
+            if pos > i:  # moved back: passed over this step
+                rid = window[i].request_id
+                passed[rid] = passed.get(rid, 0) + 1
+        rest = list(itertools.islice(waiting, len(window), None))
+        waiting.clear()
+        waiting.extend([window[i] for i in order] + rest)
+
     def schedule(self, *args, **kwargs):
+        if self._atom is not None and self._atom_hits_first:
+            self._order_waiting()
         out = super().schedule(*args, **kwargs)
         planner = self._atom
         if planner is not None:
             for new in out.scheduled_new_reqs:
                 planner.admitted(new.req_id, new.num_computed_tokens)
+                self._atom_passed_over.pop(new.req_id, None)
         return out
 
     # -- release ---------------------------------------------------------
@@ -133,6 +191,7 @@ class AtomSchedulerMixin:
         if planner is None:
             return super()._free_request_blocks(request)
         rid = request.request_id
+        self._atom_passed_over.pop(rid, None)
         H = self.hash_block_size
         prefix = request.block_hashes[:request.num_computed_tokens // H]
         if not planner.reuse_aware:

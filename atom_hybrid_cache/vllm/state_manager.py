@@ -8,6 +8,10 @@ shared-prefix junction, the checkpoints our planner placed (cut backoffs,
 fallback rungs, insurance, ladder), whose chunk stops `AtomScheduler` made.
 The prefix match itself stays vLLM's: the longest prefix ending at a state
 every group still indexes, which is exactly the core's rule.
+
+With interior extraction (the layers declare `AtomGDNInteriorSpec`), chunks
+are not cut, and `AtomInteriorStateManager` gives each forward the pages of
+the planned positions inside its span (see `gdn_backend.interior_targets`).
 """
 
 from __future__ import annotations
@@ -34,3 +38,52 @@ class AtomStateManager(MambaManager):
                 replay_boundaries = (*replay_boundaries, *extra)
         super().cache_blocks(request, num_tokens, retention_interval,
                              replay_boundaries=replay_boundaries)
+
+
+class AtomInteriorStateManager(AtomStateManager):
+    """The manager of `AtomGDNInteriorSpec` groups: vLLM's align mode leaves
+    the block-table columns inside a forward null; this one puts a page at
+    the column of every planned position inside the forward's span, which
+    the GDN layer fills from inside the forward."""
+
+    def _interior_columns(self, request_id: str, start: int, end: int) -> list:
+        B = self.block_size
+        return [p // B - 1 for p in self.planner.interior_positions(request_id, start, end)]
+
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                   total_computed_tokens, num_local_computed_tokens,
+                                   num_tokens_main_model, apply_admission_cap=False,
+                                   prefill_end=0) -> int:
+        n = super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+        if self.planner is None or n > self.block_pool.num_gpu_blocks:  # > : vLLM's "not now"
+            return n
+        have = len(self.req_to_blocks[request_id]) + len(new_computed_blocks)
+        return n + sum(1 for j in self._interior_columns(request_id, total_computed_tokens,
+                                                         num_tokens_main_model) if j >= have)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list:
+        if self.planner is None:
+            return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        blocks = self.req_to_blocks[request_id]
+        before = len(blocks)
+        new = super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+        # only columns this call appended as null: an earlier column may be a
+        # hit or a copy-on-write partial tail that holds another state
+        cols = [j for j in self._interior_columns(request_id, before * self.block_size,
+                                                  num_tokens_main_model)
+                if before <= j < len(blocks) and blocks[j].is_null]
+        if not cols:
+            return new
+        pages = self.block_pool.get_new_blocks(len(cols))
+        # `new` lists this call's columns in order, after a copy-on-write
+        # block vLLM may have put first
+        offset = len(new) - (len(blocks) - before)
+        new = list(new)
+        for j, page in zip(cols, pages):
+            blocks[j] = page
+            new[offset + j - before] = page
+        return new

@@ -7,7 +7,8 @@ capped at 2,000 tokens by its ELIDE rule (26 requests, 28,784 prompt tokens),
 4 conversations in flight per ``generate`` call, ``max_tokens=1``, greedy,
 and a pool of 0.83 x the largest live working set (63 blocks of 128 tokens):
 a round of resends does not fit, so the requests admitted first evict the
-cached prefixes of those that wait.
+cached prefixes of those that wait (with ``ATOM_ADMISSION_ORDER=hits-first``
+the plugin keeps 17,536: ``benchmarks/e2e_pressure.py``).
 
 Three engines: caching off, vLLM's native hybrid caching at its best setting
 (``prefix_match_unit=64``) and the plugin (``VLLM_PLUGINS=atom_hybrid_cache``,

@@ -67,6 +67,28 @@ def test_chunk_stops_at_the_earliest_planned_checkpoint_inside():
     assert p.chunk_stop("unknown", 0, 100) == 100
 
 
+def test_with_interior_extraction_chunks_run_on_and_the_forward_gets_its_targets():
+    p = CheckpointPlanner(PlacementConfig(), block_size=128, hash_block_size=64,
+                          kv_share_tokens=1984, stats_log_interval=0, interior_readable=True,
+                          log=lambda m: None)
+    p.finished("old", [f"h{i}" for i in range(16)], [])
+    p.plan("r", 1195, [f"h{i}" for i in range(18)], hit=0, compressed=768)
+    # the same plan as when cutting, but no stop: the forward writes them
+    assert p.plans["r"].kinds == {768: "demand", 640: "cut", 384: "cut"}
+    assert p.chunk_stop("r", 0, 1195) == 1195
+    assert p.interior_positions("r", 0, 1195) == [768, 640, 384]
+    # strictly inside: the state at a chunk's end is the forward's own
+    assert p.interior_positions("r", 384, 768) == [640]
+    assert p.interior_positions("r", 640, 700) == []
+    # retention is unchanged: the managers keep all three
+    assert sorted(p.retained_positions("r")) == [384, 640, 768]
+    # cutting planner: no interior targets, ever
+    q = planner()
+    q.finished("old", [f"h{i}" for i in range(16)], [])
+    q.plan("r", 1195, [f"h{i}" for i in range(18)], hit=0, compressed=768)
+    assert q.interior_positions("r", 0, 1195) == []
+
+
 def test_fallback_rungs_follow_the_pool_share_on_a_quarter_share_grid():
     # share 1984 tokens: grid min(4096, 496) -> 384; rungs 0.5 -> 768, 0.85 -> 1536
     plan = planner().plan("r", 1990, [], hit=0, compressed=0)
@@ -98,7 +120,8 @@ def test_admissions_feed_the_core_stats_and_its_log_lines():
 
 
 @pytest.mark.parametrize("bad", ["ATOM_STATE_CHECKPOINT_SLOTS=-1", "ATOM_STATE_CHECKPOINT_CUT_BACKOFF=1.5",
-                                 "ATOM_STATE_CHECKPOINT_FALLBACK=x"])
+                                 "ATOM_STATE_CHECKPOINT_FALLBACK=x",
+                                 "ATOM_INTERIOR_CHECKPOINTS=auto", "ATOM_ADMISSION_ORDER=lifo"])
 def test_new_settings_are_validated_with_their_names(bad):
     from atom_hybrid_cache.config import CacheConfig, ConfigError, apply_env
     var, raw = bad.split("=")

@@ -124,6 +124,20 @@ def test_plugin_runs_if_available(conversations):
     assert r.preemptions == 4
 
 
+def test_plugin_hits_first_admission_order(conversations):
+    """ATOM_ADMISSION_ORDER=hits-first on the real Scheduler: pinned."""
+    try:
+        SB.load_plugin()
+    except SB.PluginUnavailable as exc:
+        pytest.skip(f"plugin scheduler not importable: {exc}")
+    r = _measure(conversations, "plugin-hits-first")
+    assert r.status == "ok" and r.scheduler == "AtomScheduler"
+    assert r.requests == 19 and r.prompt_tokens == 294_053
+    assert r.hit_tokens <= r.ceiling_tokens and r.hit_above_ceiling_requests == 0
+    assert r.hit_tokens == 178_624
+    assert r.preemptions == 2
+
+
 def test_plugin_async_scheduler(conversations):
     """AtomAsyncScheduler, for vLLM's default async scheduling on GPUs."""
     try:

@@ -1,0 +1,93 @@
+"""The GDN attention backend our layers use: vLLM's, plus the interior
+checkpoint targets of each prefill row.
+
+In align mode vLLM's block table has one column per state page; column j
+holds the state after (j + 1) * block_size tokens. Inside a prefill forward
+vLLM leaves those columns null (the forward only stores its final state).
+`AtomStateManager` puts a page at the column of every planned checkpoint
+inside the span instead, so the block table itself says which states this
+forward must write: the non-null columns strictly inside each prefill row's
+span. The builder reads them here, once per step, for every GDN layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional, Sequence
+
+from vllm.v1.attention.backends.gdn_attn import (GDNAttentionBackend, GDNAttentionMetadata,
+                                                 GDNAttentionMetadataBuilder)
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
+
+
+@dataclass
+class InteriorTargets:
+    """Targets of one forward, by prefill row (0 = the first prefill row):
+    write the state after `position` of the row's tokens in this forward
+    into state slot `slot`."""
+
+    rows: list
+    positions: list
+    slots: list
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def interior_targets(query_start_loc: Sequence[int], seq_lens: Sequence[int],
+                     block_rows: Sequence[Sequence[int]], block_size: int, first_row: int,
+                     null_block: int = NULL_BLOCK_ID) -> InteriorTargets:
+    """The non-null state columns strictly inside each prefill row's span.
+    `block_rows` are the block-table rows of the prefill rows, which start
+    at batch row `first_row` in `query_start_loc` and `seq_lens`.
+
+    A column that starts before the row's first new token is not a target:
+    it holds a state the row resumed from (a hit, or a copy-on-write partial
+    tail), never one this forward computes."""
+    rows, positions, slots = [], [], []
+    B = block_size
+    for i, block_row in enumerate(block_rows):
+        r = first_row + i
+        seq_len = int(seq_lens[r])
+        start = seq_len - (int(query_start_loc[r + 1]) - int(query_start_loc[r]))
+        for j in range(-(-start // B), -(-seq_len // B) - 1):
+            pos = (j + 1) * B
+            if not start < pos < seq_len:
+                continue
+            slot = int(block_row[j])
+            if slot != null_block:
+                rows.append(i)
+                positions.append(pos - start)
+                slots.append(slot)
+    return InteriorTargets(rows, positions, slots)
+
+
+@dataclass
+class AtomGDNMetadata(GDNAttentionMetadata):
+    interior: Optional[InteriorTargets] = None
+
+
+class AtomGDNMetadataBuilder(GDNAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
+        if not getattr(self.kv_cache_spec, "interior_checkpoints", False) or not md.num_prefills:
+            return md
+        m = common_attn_metadata
+        if m.seq_lens_cpu_upper_bound is None:
+            return md
+        # prefill rows follow the decode rows (the builder's batch order;
+        # the layer declares interior checkpoints only without speculation)
+        first = md.num_decodes
+        block_rows = m.block_table_tensor[first:first + md.num_prefills].cpu().tolist()
+        targets = interior_targets(
+            m.query_start_loc_cpu.tolist(), m.seq_lens_cpu_upper_bound.tolist(),
+            block_rows, self.kv_cache_spec.block_size, first)
+        out = AtomGDNMetadata(**{f.name: getattr(md, f.name) for f in fields(md)})
+        out.interior = targets if len(targets) else None
+        return out
+
+
+class AtomGDNBackend(GDNAttentionBackend):
+    @staticmethod
+    def get_builder_cls():
+        return AtomGDNMetadataBuilder
