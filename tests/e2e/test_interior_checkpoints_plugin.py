@@ -1,8 +1,10 @@
 """Interior checkpoints in a real vLLM run (kernels issue, item 4): the plugin
 keeps its checkpoints from inside one prefill forward, on vLLM's CPU GDN path.
 
-One 1,000-token prompt A, then B = A[:600] + 300 new tokens and C = A[:300] +
-200 new tokens, one at a time, greedy, 4 tokens each. The plugin places a
+One 1,000-token prompt A, sent together with an unrelated 150-token prompt D
+(two prefill rows in one forward, A's targets in the second), then B =
+A[:600] + 300 new tokens, then C = A[:300] + 200 new tokens; greedy, 4 tokens
+each. The plugin places a
 ladder rung every 256 tokens (``ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS=256``):
 A's forward passes 256, 512 and 768, so B can resume at 512 and C at 256.
 
@@ -34,7 +36,10 @@ their logprobs move by at most 0.016. After A, each GDN layer's page at 256,
 the cutting engine, where vLLM's own kernel wrote it at a chunk end. The
 recurrent states agree to STATE_RTOL (fp32 pages, bf16 inputs; measured
 1.8e-3 to 5.4e-3) and the conv windows (copies of conv inputs) are equal.
-With the writes switched off the pages hold zeros and the test fails.
+Mutations that fail this test (checked 2026-11-29): the interior writes
+switched off (the pages hold zeros: error 1.0); the prefill row's token
+offset dropped in the op, so A's targets read D's tokens (1.04); the target
+positions taken one 64-token unit early in the builder (0.93).
 
 Forwards are counted on the in-process scheduler: a step is a prefill
 forward when it schedules a request that had not finished its prompt.
@@ -55,12 +60,15 @@ RUNGS = (256, 512, 768)
 STATE_RTOL = 2e-2
 
 
-def _prompts():
+def _calls():
+    """The generate calls: [D, A] together (two prefill rows in one forward,
+    A's targets in the second row), then B, then C."""
     rng = random.Random(0)
     a = [rng.randrange(10, 900) for _ in range(1000)]
     b = a[:600] + [rng.randrange(10, 900) for _ in range(300)]
     c = a[:300] + [rng.randrange(10, 900) for _ in range(200)]
-    return a, b, c
+    d = [rng.randrange(900, 1800) for _ in range(150)]
+    return [[d, a], [b], [c]]
 
 
 def _count_prefill_forwards(llm) -> dict:
@@ -106,24 +114,28 @@ def _state_pages(llm, positions):
     return out
 
 
-def _run(llm, prompts, positions=()):
+def _run(llm, calls, positions=()):
+    """Per prompt (D, A, B, C): (cached tokens, output, prefill forwards of
+    its generate call); and the state pages A left, read before B and C."""
     from vllm import SamplingParams
     counter = _count_prefill_forwards(llm)
     sp = SamplingParams(max_tokens=4, temperature=0)
     rows = []
-    for p in prompts:
+    pages = None
+    for call in calls:
         before = counter["forwards"]
-        out = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
-        rows.append((out.num_cached_tokens or 0, list(out.outputs[0].token_ids),
-                     counter["forwards"] - before))
-        if positions and len(rows) == 1:  # the states A left, before B and C
+        outs = llm.generate([{"prompt_token_ids": p} for p in call], sp, use_tqdm=False)
+        for out in outs:
+            rows.append((out.num_cached_tokens or 0, list(out.outputs[0].token_ids),
+                         counter["forwards"] - before))
+        if positions and pages is None:
             pages = _state_pages(llm, positions)
     return (rows, pages) if positions else rows
 
 
 def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, monkeypatch):
-    prompts = _prompts()
-    runs = {"off": _run(make_llm(enable_prefix_caching=False), prompts)}
+    calls = _calls()
+    runs = {"off": _run(make_llm(enable_prefix_caching=False), calls)}
     pages = {}
 
     # what VLLM_PLUGINS=atom_hybrid_cache does at start-up (vLLM loads
@@ -147,19 +159,19 @@ def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, m
         assert planner is not None
         assert planner.interior_readable is (name == "interior")
         if name in ("cut", "interior"):
-            runs[name], pages[name] = _run(llm, prompts, RUNGS)
+            runs[name], pages[name] = _run(llm, calls, RUNGS)
         else:
-            runs[name] = _run(llm, prompts)
+            runs[name] = _run(llm, calls)
 
     ref = [out for _, out, _ in runs["off"]]
     for name, rows in runs.items():
         assert [out for _, out, _ in rows] == ref, f"{name}: greedy outputs differ from caching off"
 
     cached = {name: [c for c, _, _ in rows] for name, rows in runs.items()}
-    assert cached == {"off": [0, 0, 0], "no-checkpoints": [0, 0, 0],
-                      "cut": [0, 512, 256], "interior": [0, 512, 256]}
+    assert cached == {"off": [0, 0, 0, 0], "no-checkpoints": [0, 0, 0, 0],
+                      "cut": [0, 0, 512, 256], "interior": [0, 0, 512, 256]}
 
-    forwards_a = {name: rows[0][2] for name, rows in runs.items()}
+    forwards_a = {name: rows[1][2] for name, rows in runs.items()}
     assert forwards_a == {"off": 1, "no-checkpoints": 3, "cut": 6, "interior": 3}
 
     import torch
