@@ -42,6 +42,7 @@ class RequestPlan:
     # the same positions, for the state managers' retention (read per step)
     retained: tuple = ()
     admitted: bool = False
+    retained_max: int = 0
 
 
 class FreedBlock(NamedTuple):
@@ -101,7 +102,7 @@ class CheckpointPlanner:
                 targets.positions.remove(pos)
                 del targets.kinds[pos]
         plan = RequestPlan(prompt_len, hit, compressed, reusable, targets, dict(targets.kinds),
-                           tuple(targets.kinds))
+                           tuple(targets.kinds), retained_max=max(targets.kinds, default=0))
         self.plans[request_id] = plan
         return plan
 

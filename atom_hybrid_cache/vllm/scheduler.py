@@ -119,10 +119,11 @@ class AtomSchedulerMixin:
                                                num_new_local_computed_tokens,
                                                num_external_computed_tokens)
         planner = self._atom
-        if planner is None or n <= 0:
-            return n
         start = (request.num_computed_tokens + num_new_local_computed_tokens
                  + num_external_computed_tokens)
+        # decode steps (most calls) have nothing planned
+        if planner is None or n <= 0 or start >= request.num_prompt_tokens:
+            return n
         rid = request.request_id
         if request.num_computed_tokens == 0:
             # Not started (new or preempted): plan from this admission's hit
