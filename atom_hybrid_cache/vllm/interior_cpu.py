@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-
+import vllm._custom_ops as vllm_ops
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_gdn
@@ -92,8 +92,8 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
         conv_out.append(F.silu(y).T.to(mixed_qkv.dtype) if layer.activation == "silu"
                         else y.T.to(mixed_qkv.dtype))
     q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(torch.cat(conv_out)))
-    g, beta = vllm_cpu_gdn.ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a_rows, b=b_rows,
-                                                    dt_bias=layer.dt_bias)
+    g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a_rows, b=b_rows,
+                                            dt_bias=layer.dt_bias)
     g, beta = g.reshape(q.shape[0], -1).float(), beta.reshape(q.shape[0], -1).float()
     cu_t = torch.tensor(cu, dtype=torch.int32)
     fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, cu_t,
