@@ -111,6 +111,11 @@ def _non_negative(name: str, v: int) -> None:
         raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
 
 
+def _one_of(name: str, v, choices: tuple) -> None:
+    if v not in choices:
+        raise ConfigError(f"{name} must be one of {choices}, got {v!r}")
+
+
 def validate(cfg: CacheConfig) -> None:
     _positive("block_size", cfg.block_size)
     if cfg.num_kv_blocks < 2:
@@ -120,20 +125,14 @@ def validate(cfg: CacheConfig) -> None:
     _non_negative("state_checkpoint_slots", cfg.state_checkpoint_slots)
     _positive("successor_room", cfg.successor_room)
     _non_negative("stats_log_interval", cfg.stats_log_interval)
-    if cfg.admission_order not in ADMISSION_ORDERS:
-        raise ConfigError(f"admission_order must be one of {ADMISSION_ORDERS}, "
-                          f"got {cfg.admission_order!r}")
-    if cfg.interior_checkpoints not in INTERIOR_CHECKPOINT_MODES:
-        raise ConfigError(f"interior_checkpoints must be one of {INTERIOR_CHECKPOINT_MODES}, "
-                          f"got {cfg.interior_checkpoints!r}")
+    _one_of("admission_order", cfg.admission_order, ADMISSION_ORDERS)
+    _one_of("interior_checkpoints", cfg.interior_checkpoints, INTERIOR_CHECKPOINT_MODES)
     p = cfg.placement
     if not isinstance(p.interval_tokens, int) or p.interval_tokens < -1:
         raise ConfigError("state_checkpoint_interval_tokens must be > 0, 0 (off) or -1 "
                           f"(no ladder), got {p.interval_tokens!r}")
     _non_negative("state_checkpoint_anchor_margin", p.anchor_margin_tokens)
-    if p.eviction not in EVICTION_POLICIES:
-        raise ConfigError(f"state_checkpoint_eviction must be one of {EVICTION_POLICIES}, "
-                          f"got {p.eviction!r}")
+    _one_of("state_checkpoint_eviction", p.eviction, EVICTION_POLICIES)
     for f in p.cut_backoffs:
         if not 0.0 <= f < 1.0:
             raise ConfigError(f"state_checkpoint_cut_backoff fractions must be in [0, 1), got {f!r}")

@@ -18,37 +18,18 @@ model sees one opaque call.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import vllm._custom_ops as vllm_ops
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_gdn
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
 from ..kernels.chunk_forward import gated_delta_chunk_forward
+from ..kernels.conv_window import causal_conv1d_varlen
 from ..kernels.state_checkpoint import CheckpointWrites, store_interior_checkpoints
 from .gdn_backend import AtomGDNMetadata
 
 OP_NAME = "atom_gdn_attention_core_cpu"
 _registered = False
-
-
-def _conv_view(layer) -> torch.Tensor:
-    """The conv-state cache as [slots, D, W - 1], whatever its storage order."""
-    cache = layer.kv_cache[0]
-    return cache if is_conv_state_dim_first() else cache.transpose(-1, -2)
-
-
-def _ssm_view(layer) -> torch.Tensor:
-    """The recurrent-state cache as the CPU kernel reads it: [slots, HV, K, V]."""
-    ssm = layer.kv_cache[1]
-    n, hv, v_dim, k_dim = ssm.size()
-    return ssm.view(n, hv, k_dim, v_dim)
-
-
-def _conv_weight(layer) -> torch.Tensor:
-    # vLLM packs the conv weight in place on some CPUs and keeps a plain copy
-    return vllm_cpu_gdn._unpacked_conv_weight(layer)
 
 
 def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -71,8 +52,11 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     last = {r: max(p for rr, p in zip(interior.rows, interior.positions) if rr == r) for r in rows}
     idx = state_idx[rows]
     init = has_init[rows].view(-1, 1, 1, 1)
-    h0 = torch.where(init, _ssm_view(layer)[idx].float(), 0.0)
-    w0 = torch.where(init[..., 0], _conv_view(layer)[idx], 0).float()
+    # vLLM's own views: [slots, HV, K, V] as its kernel reads it, [slots, D, W - 1]
+    ssm_pool = vllm_cpu_gdn._ssm_state_view(layer)
+    conv_pool = vllm_cpu_gdn._conv_buffer_view(layer)
+    h0 = torch.where(init, ssm_pool[idx].float(), 0.0)
+    w0 = torch.where(init[..., 0], conv_pool[idx], 0).float()
     spans = [(qsl[r] - qsl[0] + ndt, last[r]) for r in rows]
     x = torch.cat([mixed_qkv[s:s + n] for s, n in spans]).clone()
     a_rows = torch.cat([a[s:s + n] for s, n in spans]).contiguous()
@@ -83,28 +67,23 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     cu = [0]
     for _, n in spans:
         cu.append(cu[-1] + n)
-    weight = _conv_weight(layer).float()
-    bias = None if layer.conv1d.bias is None else layer.conv1d.bias.float()
-    conv_out = []
-    for i, (s, n) in enumerate(spans):
-        seq = torch.cat([w0[i], x[cu[i]:cu[i + 1]].float().T], dim=1)  # [D, W - 1 + n]
-        y = F.conv1d(seq[None], weight[:, None, :], bias, groups=weight.shape[0])[0]
-        conv_out.append(F.silu(y).T.to(mixed_qkv.dtype) if layer.activation == "silu"
-                        else y.T.to(mixed_qkv.dtype))
-    q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(torch.cat(conv_out)))
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    # vLLM packs the conv weight in place on some CPUs and keeps a plain copy
+    conv = causal_conv1d_varlen(x, cu_t, vllm_cpu_gdn._unpacked_conv_weight(layer),
+                                layer.conv1d.bias, initial_windows=w0, activation=layer.activation)
+    q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv.output))
     g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a_rows, b=b_rows,
                                             dt_bias=layer.dt_bias)
     g, beta = g.reshape(q.shape[0], -1).float(), beta.reshape(q.shape[0], -1).float()
-    cu_t = torch.tensor(cu, dtype=torch.int32)
     fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, cu_t,
                                     initial_state=h0, use_qk_l2norm=True, backend="torch")
     row_of = {r: i for i, r in enumerate(rows)}
     writes = CheckpointWrites.from_lists([row_of[r] for r in interior.rows], interior.positions,
                                          interior.slots, row_lengths=[n for _, n in spans])
-    store_interior_checkpoints(writes, cu_t, state_pool=_ssm_view(layer),
+    store_interior_checkpoints(writes, cu_t, state_pool=ssm_pool,
                                chunk_states=fwd.chunk_states, final_state=fwd.final_state,
                                k=fwd.k, v=v.float(), g=g, beta=beta,
-                               chunk_offsets=fwd.chunk_offsets, conv_pool=_conv_view(layer),
+                               chunk_offsets=fwd.chunk_offsets, conv_pool=conv_pool,
                                conv_x=x, conv_initial_windows=w0.to(x.dtype), backend="torch")
 
 

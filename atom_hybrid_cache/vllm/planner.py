@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from ..config import PlacementConfig
-from ..core.placement import CheckpointTargets, plan_checkpoints, snap_interval
+from ..core.placement import CheckpointTargets, chunk_end, plan_checkpoints, snap_interval
 from ..core.stats import CacheStats, format_stats_lines
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -111,10 +111,9 @@ class CheckpointPlanner:
         checkpoint in it is a chunk end: without interior extraction a GDN
         forward stores a state only there."""
         plan = self.plans.get(request_id)
-        if plan is None or self.interior_readable:
+        if plan is None:
             return end
-        t = plan.targets.earliest_in(start, end - 1)
-        return end if t is None else t
+        return chunk_end(start, end - start, end, plan.targets, self.interior_readable)[0]
 
     def interior_positions(self, request_id: str, start: int, end: int) -> list:
         """Planned positions strictly inside a forward over [start, end): the
@@ -125,9 +124,14 @@ class CheckpointPlanner:
             return []
         return [p for p in plan.retained if start < p < end]
 
-    def retained_positions(self, request_id: str) -> tuple:
+    def retained_ahead(self, request_id: str, computed: int) -> tuple:
+        """The planned positions the state managers keep, while one is still
+        ahead of `computed`: the blocks up to it were hashed by earlier
+        calls, so later ones need nothing (the per-step path stays light)."""
         plan = self.plans.get(request_id)
-        return plan.retained if plan is not None else ()
+        if plan is None or plan.retained_max <= computed:
+            return ()
+        return plan.retained
 
     def admitted(self, request_id: str, num_cached_tokens: int) -> None:
         """The request was scheduled for the first time with this hit."""

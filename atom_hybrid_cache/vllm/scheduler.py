@@ -147,17 +147,18 @@ class AtomSchedulerMixin:
         waiting = self.waiting
         if not isinstance(waiting, deque) or len(waiting) < 2:
             return
-        if len(self.running) >= self.scheduler_config.max_num_seqs:
+        limit = self.scheduler_config.max_num_seqs
+        if len(self.running) >= limit:
             return
-        window = list(itertools.islice(waiting, self.scheduler_config.max_num_seqs))
+        window = list(itertools.islice(waiting, limit))
         coordinator = self.kv_cache_manager.coordinator
         passed = self._atom_passed_over
-        limit = self.scheduler_config.max_num_seqs
 
         def rank(request) -> tuple:
             if passed.get(request.request_id, 0) >= limit:
                 return (0, 0)
-            if request.num_computed_tokens or not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            if (request.num_computed_tokens
+                    or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)):
                 return (1, 0)
             hit = coordinator.find_longest_cache_hit(request.block_hashes,
                                                      request.num_tokens - 1)[1]

@@ -32,12 +32,10 @@ class AtomStateManager(MambaManager):
 
     def cache_blocks(self, request, num_tokens: int, retention_interval: Optional[int] = None, *,
                      replay_boundaries: Sequence[int]) -> None:
-        # Only while a planned position is still ahead: the blocks up to what
-        # is computed were cached (hashed) by earlier calls.
         if self.planner is not None and retention_interval is not None:
-            plan = self.planner.plans.get(request.request_id)
-            if plan is not None and plan.retained_max > request.num_computed_tokens:
-                replay_boundaries = (*replay_boundaries, *plan.retained)
+            extra = self.planner.retained_ahead(request.request_id, request.num_computed_tokens)
+            if extra:
+                replay_boundaries = (*replay_boundaries, *extra)
         super().cache_blocks(request, num_tokens, retention_interval,
                              replay_boundaries=replay_boundaries)
 

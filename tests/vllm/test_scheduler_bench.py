@@ -47,6 +47,15 @@ def conversations():
     return SB.load_conversations(paths)
 
 
+@pytest.fixture
+def plugin():
+    """Skip where the plugin's scheduler side does not import."""
+    try:
+        SB.load_plugin()
+    except SB.PluginUnavailable as exc:
+        pytest.skip(f"plugin scheduler not importable: {exc}")
+
+
 def _measure(conversations, policy):
     """To re-measure: python3 -c "import sys; sys.path.insert(0, 'benchmarks');
     import scheduler_bench as sb; from atom_hybrid_cache.replay.traces import
@@ -104,11 +113,7 @@ def test_prefix_match_unit_64_needs_block_size_64(conversations):
                          max_model_len=POINT["max_model_len"])
 
 
-def test_plugin_runs_if_available(conversations):
-    try:
-        SB.load_plugin()
-    except SB.PluginUnavailable as exc:
-        pytest.skip(f"plugin scheduler not importable: {exc}")
+def test_plugin_runs_if_available(conversations, plugin):
     r = _measure(conversations, "plugin")
     assert r.status == "ok", r.status
     assert r.scheduler == "AtomScheduler"
@@ -124,12 +129,8 @@ def test_plugin_runs_if_available(conversations):
     assert r.preemptions == 4
 
 
-def test_plugin_hits_first_admission_order(conversations):
+def test_plugin_hits_first_admission_order(conversations, plugin):
     """ATOM_ADMISSION_ORDER=hits-first on the real Scheduler: pinned."""
-    try:
-        SB.load_plugin()
-    except SB.PluginUnavailable as exc:
-        pytest.skip(f"plugin scheduler not importable: {exc}")
     r = _measure(conversations, "plugin-hits-first")
     assert r.status == "ok" and r.scheduler == "AtomScheduler"
     assert r.requests == 19 and r.prompt_tokens == 294_053
@@ -138,12 +139,8 @@ def test_plugin_hits_first_admission_order(conversations):
     assert r.preemptions == 2
 
 
-def test_plugin_async_scheduler(conversations):
+def test_plugin_async_scheduler(conversations, plugin):
     """AtomAsyncScheduler, for vLLM's default async scheduling on GPUs."""
-    try:
-        SB.load_plugin()
-    except SB.PluginUnavailable as exc:
-        pytest.skip(f"plugin scheduler not importable: {exc}")
     r = SB.run_point(conversations, "plugin", async_scheduling=True, **POINT)
     assert r.status == "ok" and r.scheduler == "AtomAsyncScheduler"
     assert r.requests == 19 and r.prompt_tokens == 294_053
