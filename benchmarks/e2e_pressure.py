@@ -44,10 +44,11 @@ Workload
 KV budget (blocks vs tokens for this hybrid)
 --------------------------------------------
 The tiny model's four KV cache groups (3 GDN/Mamba groups + 1 attention
-group) all have the same page size (block size 128 tokens on CPU: one
-attention block = 128 tokens x 4 KiB = 512 KiB >= one padded GDN state page),
+group) all have the same page size (block size 128 tokens on CPU in the
+default geometry: one attention block = 128 tokens x 4 KiB = 512 KiB >= one
+padded GDN state page),
 and they draw from ONE shared block pool of ``num_gpu_blocks`` blocks. A live
-request of ``L`` prompt tokens holds ``ceil(L / 128)`` attention blocks plus,
+request of ``L`` prompt tokens holds ``ceil(L / block)`` attention blocks plus,
 per Mamba group in "align" mode, its running state block and usually one more
 (the copy-on-write / previous-state block): we count
 ``ceil(L / block) + 2 * 3`` blocks per request. Every cached Mamba state
@@ -63,6 +64,20 @@ The ``2 * 3`` Mamba allowance is conservative: in the measured runs a
 multiple of 1.0 lost nothing against 1.25 and the loss starts below it
 (0.83), so read the multiples as relative, not as an exact fit.
 
+Geometry (``--geometry``)
+-------------------------
+A state page is a whole pool block whatever the block size, so the block
+size sets what state costs in KV tokens. ``default`` (the tiny model CI uses,
+128-token blocks) makes a live request's 6 state blocks worth 768 tokens of
+KV: a third of the working set of 2,000-token prompts, ten times the share
+qwen3.5-27b's state has on the full traces. ``small-block`` gives the
+attention layer 8 KV heads (8 KiB per token), so a 32-token block (the CPU
+attention kernel's smallest) still covers a state page, and runs with
+``block_size=32``: a checkpoint costs 96 tokens of KV, a live request's
+state 192. The plugin then runs without ``prefix_match_unit`` (the block is
+already finer than 64), and ``native-pmu64`` is skipped (vLLM requires the
+block to be divisible by the unit). The run stops if vLLM raises the block.
+
 Metrics per policy
 ------------------
 ``cached`` = sum of ``RequestOutput.num_cached_tokens`` (vLLM's hybrid hit: the
@@ -73,9 +88,9 @@ EARLIER ROUND, capped at ``len - 1``: the prompts of a round are sent in one
 ``generate`` call and scheduled together, so none can reuse another's prefix.
 ``ratio`` = cached / oracle.
 
-``block oracle`` = the same, floored per prompt to whole 128-token blocks:
-what a paged cache can hold (on the default workload the attention-only
-control reaches exactly that at every pool). ``block ratio`` = cached / block
+``block oracle`` = the same, floored per prompt to whole blocks (128 or 32
+tokens): what a paged cache can hold (on the default workload the
+attention-only control reaches exactly that at every pool). ``block ratio`` = cached / block
 oracle.
 
 The JSON also keeps ``oracle_any_order_tokens``: the prefix shared with any
@@ -84,6 +99,13 @@ oracle until 2026-11-29; on the default workload it equals ``oracle``.
 
 ``same_as_off`` = every greedy output token equals the ``off`` run's (the
 ``off`` run is always done first when any other policy is asked for).
+
+``max_logprob_gap`` = the largest |logprob of the output token - the ``off``
+run's| over the prompts. The tiny model's GDN state fades over a few hundred
+tokens (see ``tests/e2e/tiny_model.py``), so a resume from a wrong state
+shows here: zeroing every state page between rounds moves it to ~0.8 and
+changes about half of the greedy tokens, where correct resumes stay at the
+numerical noise of another chunking (~0.03).
 
 Policies
 --------
@@ -139,6 +161,22 @@ ATTENTION_CONTROL_OVERRIDES = {
     "num_hidden_layers": 1,
     "layer_types": ["full_attention"],
     "full_attention_interval": 1,
+}
+
+# Model geometries (--geometry). A GDN state page is a whole pool block, so
+# what one checkpoint costs in KV tokens is 3 x the block size. "default" is
+# the tiny model as CI uses it: 128-token blocks, a checkpoint = 384 tokens
+# of KV and a live request's 6 state blocks = 768 tokens, a third of the
+# working set of 2,000-token prompts. "small-block" doubles the attention KV
+# per token (8 KV heads of 256: 8 KiB per token), so that a 32-token block
+# (the CPU attention kernel's smallest) still covers a 131 KiB state page:
+# a checkpoint = 96 tokens of KV, a live request's state = 192. That share
+# (~10% of a 2,000-token prompt) is nearer to what qwen3.5-27b has on the
+# full traces (a checkpoint ~= the KV of 1,200 tokens, prompts of 20-60k).
+GEOMETRIES: dict[str, dict[str, Any]] = {
+    "default": {"block_size": BLOCK_SIZE, "model_overrides": {}},
+    "small-block": {"block_size": 32,
+                    "model_overrides": {"num_attention_heads": 8, "num_key_value_heads": 8}},
 }
 
 
@@ -310,11 +348,12 @@ def _tiny_model():
     return tiny_model
 
 
-def model_for(policy: str) -> Path:
+def model_for(policy: str, geometry: str = "default") -> Path:
     build_tiny_qwen3_next = _tiny_model().build_tiny_qwen3_next
+    overrides = dict(GEOMETRIES[geometry]["model_overrides"])
     if policy.startswith("attention-control"):
-        return build_tiny_qwen3_next(config_overrides=ATTENTION_CONTROL_OVERRIDES)
-    return build_tiny_qwen3_next()
+        overrides.update(ATTENTION_CONTROL_OVERRIDES)
+    return build_tiny_qwen3_next(config_overrides=overrides or None)
 
 
 def make_llm(model: Path, num_blocks: int, max_model_len: int, **extra):
@@ -340,37 +379,79 @@ def shutdown(llm) -> None:
         pass
 
 
-def replay(llm, convs, rounds) -> tuple[list[int], list[list[int]]]:
-    """(num_cached_tokens per prompt, output token ids per prompt), send order."""
+def replay(llm, convs, rounds, after_round=None) -> tuple[list[int], list[list[int]], list[float]]:
+    """(num_cached_tokens, output token ids, logprob of the output token) per
+    prompt, in send order. `after_round(llm)` runs after each generate call."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=1, temperature=0.0)
-    cached, outs = [], []
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+    cached, outs, logprobs = [], [], []
     for rnd in rounds:
         prompts = [TokensPrompt(prompt_token_ids=convs[c]["prompts"][i]) for c, i in rnd]
         res = llm.generate(prompts, sp, use_tqdm=False)
         for r in res:
+            out = r.outputs[0]
             cached.append(int(r.num_cached_tokens or 0))
-            outs.append(list(r.outputs[0].token_ids))
-    return cached, outs
+            outs.append(list(out.token_ids))
+            logprobs.append(float(out.logprobs[0][out.token_ids[0]].logprob))
+        if after_round is not None:
+            after_round(llm)
+    return cached, outs, logprobs
+
+
+def max_logprob_gap(logprobs: list[float], reference: list[float]) -> float:
+    """Largest |logprob - reference| over the prompts: the check that sees a
+    resumed state that is slightly wrong where the greedy token does not."""
+    return max((abs(a - b) for a, b in zip(logprobs, reference)), default=0.0)
+
+
+def zero_state_pages(llm) -> None:
+    """Zero every GDN state page of an in-process engine (between rounds, when
+    no request runs): what a resume from a lost or misplaced state reads.
+    The tests use it to show that the output checks see wrong states."""
+    core = llm.llm_engine.engine_core.engine_core
+    groups = core.scheduler.kv_cache_config.kv_cache_groups
+    ctx = (core.model_executor.driver_worker.worker.model_runner
+           .vllm_config.compilation_config.static_forward_context)
+    from vllm.v1.kv_cache_interface import MambaSpec
+    for group in groups:
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            for name in group.layer_names:
+                conv, ssm = ctx[name].kv_cache
+                conv.zero_()
+                ssm.zero_()
 
 
 def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
-               **extra) -> dict[str, Any]:
+               geometry: str = "default", **extra) -> dict[str, Any]:
     kwargs = policy_kwargs(policy)
+    block_size = GEOMETRIES[geometry]["block_size"]
+    if geometry != "default":
+        kwargs["block_size"] = block_size
+        if policy in PLUGIN_POLICIES and block_size <= 64:
+            # the plugin asks for a finer hash unit only when blocks are larger
+            kwargs.pop("prefix_match_unit", None)
     kwargs.update(extra)
     t0 = time.monotonic()
-    llm = make_llm(model_for(policy), num_blocks, max_model_len, **kwargs)
+    llm = make_llm(model_for(policy, geometry), num_blocks, max_model_len, **kwargs)
     t1 = time.monotonic()
+    used = llm.llm_engine.vllm_config.cache_config.block_size
+    if used != block_size:
+        # vLLM raises the block until it covers a state page: the budgets
+        # (in blocks) and the block oracle would then measure another pool
+        shutdown(llm)
+        raise RuntimeError(f"{geometry} geometry: vLLM runs {used}-token blocks, "
+                           f"the budgets assume {block_size}")
     try:
-        cached, outs = replay(llm, convs, rounds)
+        cached, outs, logprobs = replay(llm, convs, rounds)
     finally:
         shutdown(llm)
         del llm
         gc.collect()
     t2 = time.monotonic()
     return {"policy": policy, "num_blocks": num_blocks, "cached": cached, "outputs": outs,
+            "logprobs": logprobs,
             "start_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
 
 
@@ -394,14 +475,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--pool-multiples", default="1.25,1.0,0.83")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="default",
+                    help="tiny-model geometry (block size and the KV share of a state page)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    block = GEOMETRIES[args.geometry]["block_size"]
 
     t_start = time.monotonic()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:               # fail early on typos
             ap.error(f"unknown policy {p!r} (known: {', '.join(POLICIES)})")
+    if block <= 64 and "native-pmu64" in policies:
+        # vLLM wants the block size divisible by the unit; its own hash unit
+        # is already the (small) block here
+        print(f"native-pmu64 skipped: the {args.geometry} geometry's {block}-token block "
+              "is already native's hash unit", flush=True)
+        policies.remove("native-pmu64")
     multiples = [float(x) for x in args.pool_multiples.split(",") if x.strip()]
     paths = resolve_trace_paths(args.traces, args.trace_dir)
     convs = build_workload(paths, args.max_prompt, args.head, args.max_requests)
@@ -413,15 +503,15 @@ def main(argv: list[str] | None = None) -> int:
     oracle = oracle_reusable(sent, [len(r) for r in rounds])
     oracle_any_order = oracle_reusable(sent)
     # what a paged cache can hold of it: whole blocks
-    oracle_blocks = sum(n // BLOCK_SIZE * BLOCK_SIZE for n in oracle)
-    ws, one = working_set(convs, rounds)
+    oracle_blocks = sum(n // block * block for n in oracle)
+    ws, one = working_set(convs, rounds, block)
     max_len = max(len(p) for p in sent)
-    max_model_len = -(-(max_len + 1) // BLOCK_SIZE) * BLOCK_SIZE
+    max_model_len = -(-(max_len + 1) // block) * block
     print(f"workload: {len(convs)} conversations, {len(sent)} requests in {len(rounds)} rounds "
           f"(in-flight {args.in_flight}), {sum(map(len, sent))} prompt tokens, max prompt {max_len}; "
           f"oracle reusable {sum(oracle)} tokens ({sum(oracle_any_order)} counting same-round "
           f"prefixes); largest live working set {ws} blocks "
-          f"(block {BLOCK_SIZE}); largest single request {one} blocks", flush=True)
+          f"(block {block}, geometry {args.geometry}); largest single request {one} blocks", flush=True)
 
     results = []
     off_outputs: dict[str, list] = {}
@@ -439,14 +529,15 @@ def main(argv: list[str] | None = None) -> int:
         for pol in order:
             if pol == "attention-control-off":
                 r = run_policy("attention-control", convs, rounds, nb, max_model_len,
-                               enable_prefix_caching=False)
+                               args.geometry, enable_prefix_caching=False)
                 r["policy"] = pol
             else:
-                r = run_policy(pol, convs, rounds, nb, max_model_len)
+                r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry)
             if pol in ("off", "attention-control-off"):
-                off_outputs[pol] = r["outputs"]
-            ref = off_outputs.get("attention-control-off" if pol.startswith("attention-control")
-                                  else "off")
+                off_outputs[pol] = r
+            ref_run = off_outputs.get("attention-control-off" if pol.startswith("attention-control")
+                                      else "off")
+            ref = ref_run["outputs"] if ref_run is not None else None
             total = sum(r["cached"])
             row = {"multiple": m, "policy": pol, "num_blocks": nb, "cached_tokens": total,
                    "oracle_tokens": sum(oracle),
@@ -456,23 +547,27 @@ def main(argv: list[str] | None = None) -> int:
                    # None on the reference (caching-off) rows themselves
                    "same_as_off": (r["outputs"] == ref)
                    if ref is not None and pol not in ("off", "attention-control-off") else None,
+                   "max_logprob_gap": round(max_logprob_gap(r["logprobs"], ref_run["logprobs"]), 4)
+                   if ref is not None and pol not in ("off", "attention-control-off") else None,
                    "start_s": r["start_s"], "replay_s": r["replay_s"],
                    "per_request_cached": r["cached"]}
             results.append(row)
             print(f"  x{m:<5} {pol:22s} blocks {nb:4d}  cached {total:7d}  "
                   f"ratio {row['ratio']}  block ratio {row['block_ratio']}  same_as_off {row['same_as_off']}  "
+                  f"logprob gap {row['max_logprob_gap']}  "
                   f"({r['start_s']} s start, {r['replay_s']} s replay)", flush=True)
 
     wall = time.monotonic() - t_start
     print()
     hdr = (f"{'multiple':>8} {'policy':22s} {'blocks':>6} {'cached':>8} {'oracle':>8} {'ratio':>6} "
-           f"{'block oracle':>12} {'ratio':>6} {'same_as_off':>11}")
+           f"{'block oracle':>12} {'ratio':>6} {'same_as_off':>11} {'lp gap':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         print(f"{r['multiple']:>8} {r['policy']:22s} {r['num_blocks']:>6} {r['cached_tokens']:>8} "
               f"{r['oracle_tokens']:>8} {str(r['ratio']):>6} {r['oracle_block_tokens']:>12} "
-              f"{str(r['block_ratio']):>6} {str(r['same_as_off']):>11}")
+              f"{str(r['block_ratio']):>6} {str(r['same_as_off']):>11} "
+              f"{str(r['max_logprob_gap']):>7}")
     print(f"\nwall time: {wall:.1f} s")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -482,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                          "requests": len(sent), "rounds": len(rounds),
                          "prompt_tokens": sum(map(len, sent)), "max_prompt": max_len,
                          "working_set_blocks": ws, "single_request_blocks": one,
-                         "block_size": BLOCK_SIZE, "max_model_len": max_model_len,
+                         "block_size": block, "geometry": args.geometry, "max_model_len": max_model_len,
                          "oracle_tokens": sum(oracle), "per_request_oracle": oracle,
                          "oracle_block_tokens": oracle_blocks,
                          "oracle_any_order_tokens": sum(oracle_any_order),

@@ -3,7 +3,7 @@ keeps its checkpoints from inside one prefill forward, on vLLM's CPU GDN path.
 
 One 1,000-token prompt A, sent together with an unrelated 150-token prompt D
 (two prefill rows in one forward, A's targets in the second), then B =
-A[:600] + 300 new tokens, then C = A[:300] + 200 new tokens; greedy, 4 tokens
+A[:600] + 300 new tokens, then C = A[:300] + 200 new tokens; greedy, one output token
 each. The plugin places a
 ladder rung every 256 tokens (``ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS=256``):
 A's forward passes 256, 512 and 768, so B can resume at 512 and C at 256.
@@ -28,17 +28,18 @@ the prompt's end (896) and at the prompt's last 64-token boundary (960), so A
 takes 3 forwards without checkpoints against 1 with caching off; those stops
 are vLLM's, present in every engine with hybrid prefix caching.
 
-The states themselves are compared too, because greedy outputs of the tiny
-random model barely depend on them: with the interior writes switched off (a
-resume from a zeroed page), B's and C's outputs still equal caching off and
-their logprobs move by at most 0.016. After A, each GDN layer's page at 256,
-512 and 768 is read from the engine's KV cache, in the interior engine and in
-the cutting engine, where vLLM's own kernel wrote it at a chunk end. The
-recurrent states agree to STATE_RTOL (fp32 pages, bf16 inputs; measured
-1.8e-3 to 5.4e-3) and the conv windows (copies of conv inputs) are equal.
+The states themselves are compared too. After A, each GDN layer's page at
+256, 512 and 768 is read from the engine's KV cache, in the interior engine
+and in the cutting engine, where vLLM's own kernel wrote it at a chunk end.
+The recurrent states agree to STATE_RTOL (fp32 pages, bf16 inputs; measured
+3.8e-3 to 6.2e-3) and the conv windows (copies of conv inputs) are equal.
+The outputs are compared as the first greedy token and its logprob (within
+LOGPROB_TOL; measured 0.0002 for the cutting engines, 0.016 for interior).
 Mutations that fail this test (checked 2026-11-29): the interior writes
-switched off (the pages hold zeros: error 1.0); the prefill row's token
-offset dropped in the op, so A's targets read D's tokens (1.04); the target
+switched off (the pages hold zeros: state error 1.0, and with tiny model
+builder v2 a resumed prompt's greedy token differs too; with v1, whose state faded within
+a few tokens, the outputs had still matched); the prefill row's token offset
+dropped in the op, so A's targets read D's tokens (1.04); the target
 positions taken one 64-token unit early in the builder (0.93).
 
 Forwards are counted on the in-process scheduler: a step is a prefill
@@ -58,6 +59,12 @@ RUNGS = (256, 512, 768)
 # fp32 torch path on bf16 inputs (bf16 epsilon 7.8e-3): measured 1.8e-3 to
 # 5.4e-3 over the 9 pages, flat in position; 1.0 with the writes off.
 STATE_RTOL = 2e-2
+# |logprob - caching off| of the output token. Another chunking of the same
+# prompt moves it (bf16 activations; the tiny model's state fades slowly, so
+# chunk-boundary rounding carries): measured up to 0.03 in the trace replay.
+# One output token per prompt: a few greedy tokens later, such differences
+# already flip a token (A's 4th in the no-checkpoints engine).
+LOGPROB_TOL = 0.1
 
 
 def _calls():
@@ -119,15 +126,16 @@ def _run(llm, calls, positions=()):
     its generate call); and the state pages A left, read before B and C."""
     from vllm import SamplingParams
     counter = _count_prefill_forwards(llm)
-    sp = SamplingParams(max_tokens=4, temperature=0)
+    sp = SamplingParams(max_tokens=1, temperature=0, logprobs=0)
     rows = []
     pages = None
     for call in calls:
         before = counter["forwards"]
         outs = llm.generate([{"prompt_token_ids": p} for p in call], sp, use_tqdm=False)
         for out in outs:
-            rows.append((out.num_cached_tokens or 0, list(out.outputs[0].token_ids),
-                         counter["forwards"] - before))
+            o = out.outputs[0]
+            rows.append((out.num_cached_tokens or 0, list(o.token_ids),
+                         counter["forwards"] - before, o.logprobs[0][o.token_ids[0]].logprob))
         if positions and pages is None:
             pages = _state_pages(llm, positions)
     return (rows, pages) if positions else rows
@@ -163,11 +171,13 @@ def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, m
         else:
             runs[name] = _run(llm, calls)
 
-    ref = [out for _, out, _ in runs["off"]]
+    ref = runs["off"]
     for name, rows in runs.items():
-        assert [out for _, out, _ in rows] == ref, f"{name}: greedy outputs differ from caching off"
+        assert [r[1] for r in rows] == [r[1] for r in ref], f"{name}: greedy output differs from off"
+        gap = max(abs(r[3] - f[3]) for r, f in zip(rows, ref))
+        assert gap <= LOGPROB_TOL, f"{name}: an output logprob is {gap:.3f} from caching off"
 
-    cached = {name: [c for c, _, _ in rows] for name, rows in runs.items()}
+    cached = {name: [r[0] for r in rows] for name, rows in runs.items()}
     assert cached == {"off": [0, 0, 0, 0], "no-checkpoints": [0, 0, 0, 0],
                       "cut": [0, 0, 512, 256], "interior": [0, 0, 512, 256]}
 
