@@ -14,6 +14,7 @@ it has already classified.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
@@ -58,6 +59,18 @@ class FreedBlock(NamedTuple):
     cached: bool
 
 
+class KVPages(NamedTuple):
+    """One KV group's pages of a freed request, in column order: page i
+    holds tokens [(first_column + i) * block_size, + block_size), and
+    `cached[i]` says whether it is indexed. One object per group, not per
+    page: a long prompt frees hundreds of pages at once."""
+
+    block_size: int
+    handles: Sequence
+    cached: Sequence[bool]
+    first_column: int = 0
+
+
 class CheckpointPlanner:
     def __init__(self, placement: PlacementConfig, *, block_size: int, hash_block_size: int,
                  kv_share_tokens: int, stats_log_interval: int,
@@ -87,7 +100,7 @@ class CheckpointPlanner:
         """(Re)plan a request that has not started: `hit` is where it resumes,
         `compressed` how far its KV prefix alone reaches."""
         B = self.block_size
-        reusable = max(self._oracle_tokens(block_hashes, prompt_len), compressed)
+        reusable = max(self._oracle_tokens(block_hashes, prompt_len, hit), compressed)
         if self.checkpointing:
             targets = plan_checkpoints(
                 prompt_len, B, hit=hit, compressed=compressed // B * B,
@@ -147,11 +160,14 @@ class CheckpointPlanner:
             for line in self.stats_lines():
                 self._log(line)
 
-    def _oracle_tokens(self, block_hashes: Sequence, prompt_len: int) -> int:
+    def _oracle_tokens(self, block_hashes: Sequence, prompt_len: int, hit: int = 0) -> int:
+        """How far an unbounded cache would serve this prompt; at least
+        `hit`, which the real one serves (the walk starts there: a long
+        prompt has thousands of hashes below it)."""
         H = self.hash_block_size
         cap = min(len(block_hashes), (prompt_len - 1) // H)
         seen = self._seen
-        n = 0
+        n = min(hit // H, cap)
         while n < cap and block_hashes[n] in seen:
             n += 1
         return n * H
@@ -162,10 +178,12 @@ class CheckpointPlanner:
         the states it wrote that are still indexed (one state group's)."""
         plan = self.plans.pop(request_id, None)
         seen = self._seen
-        for h in block_hashes:
-            if len(seen) >= SEEN_HASH_LIMIT:
-                break
-            seen.add(h)
+        room = SEEN_HASH_LIMIT - len(seen)
+        if room > 0:
+            # the hashes below its hit went in when the request that
+            # computed them finished
+            skip = plan.hit // self.hash_block_size if plan is not None else 0
+            seen.update(itertools.islice(block_hashes, skip, skip + room))
         if plan is None:
             return
         prompt_end_block = (plan.prompt_len - 1) // self.block_size * self.block_size
@@ -178,7 +196,7 @@ class CheckpointPlanner:
                 kind = "anchor" if pos >= prompt_end_block else "junction"
             self.stats.record_write(kind)
 
-    def eviction_order(self, blocks: Sequence[FreedBlock]) -> list:
+    def eviction_order(self, states: Sequence[FreedBlock], kv: Sequence[KVPages] = ()) -> list:
         """The order a freed request's pages go back to the LRU, first
         evicted first.
 
@@ -189,23 +207,35 @@ class CheckpointPlanner:
         taking its states first and leaving KV nobody can resume on (vLLM's
         own order frees the state groups before the attention group).
         Uncached pages go first (vLLM reuses those before evicting anyway).
+        A KV page belongs to the lowest state above its first token.
         """
         if not self.reuse_aware:
-            return [b.handle for b in blocks]
-        states = sorted({b.end for b in blocks if b.is_state and b.cached})
-        inf = float("inf")
-        first, keyed = [], []
-        for b in blocks:
-            if not b.cached:
-                first.append(b.handle)
-            elif b.is_state:
-                keyed.append((-b.end, 0, -b.end, b.handle))
-            else:
-                # the lowest state that needs this page: the first above its start
-                i = bisect.bisect_right(states, b.start)
-                keyed.append((-(states[i] if i < len(states) else inf), 1, -b.end, b.handle))
-        keyed.sort(key=lambda k: k[:3])
-        return first + [k[3] for k in keyed]
+            return [h for run in kv for h in run.handles] + [b.handle for b in states]
+        tops = sorted({b.end for b in states if b.cached}, reverse=True)
+        first = []
+        # units[0]: KV pages above every state; units[u + 1]: tops[u]'s pages
+        units: list = [[] for _ in range(len(tops) + 1)]
+        merge = len(kv) > 1
+        for size, handles, cached, c0 in kv:
+            n = len(handles)
+            first += [h for h, c in zip(handles, cached) if not c]
+            # page i is tops[u]'s when ceil(tops[u+1] / size) <= c0 + i < ceil(tops[u] / size)
+            bounds = [min(n, max(0, -(-pos // size) - c0)) for pos in tops] + [0]
+            hi = n
+            for u, lo in enumerate(bounds):
+                # from the top page down; across groups merged by end below
+                for i in range(hi - 1, lo - 1, -1):
+                    if cached[i]:
+                        units[u].append(((c0 + i + 1) * size, handles[i]) if merge else handles[i])
+                hi = min(hi, lo)
+        if merge:
+            units = [[h for _, h in sorted(unit, key=lambda e: -e[0])] for unit in units]
+        first += [b.handle for b in states if not b.cached]
+        out = first + units[0]
+        for u, pos in enumerate(tops):
+            out += [b.handle for b in states if b.cached and b.end == pos]
+            out += units[u + 1]
+        return out
 
     # -- diagnostics ---------------------------------------------------
     def stats_lines(self) -> list[str]:

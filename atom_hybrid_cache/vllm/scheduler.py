@@ -34,7 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import SERVER_STATS_LOG_INTERVAL, CacheConfig, apply_env
-from .planner import CheckpointPlanner, FreedBlock
+from .planner import CheckpointPlanner, FreedBlock, KVPages
 from .state_manager import AtomStateManager
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -92,9 +92,10 @@ class AtomSchedulerMixin:
                            "pass --prefix-match-unit 64 for finer hits", self.hash_block_size)
 
     # -- admission and chunking ------------------------------------------
-    def _kv_prefix_tokens(self, request) -> int:
+    def _kv_prefix_tokens(self, request, hit: int = 0) -> int:
         """How far the KV groups alone could serve this prompt: the
-        `compressed` length of the stats and the demand rung."""
+        `compressed` length of the stats and the demand rung. Every group
+        serves the `hit` already, so the walk starts there."""
         pool = self.kv_cache_manager.block_pool
         managers = self.kv_cache_manager.coordinator.single_type_managers
         hashes = request.block_hashes
@@ -103,7 +104,7 @@ class AtomSchedulerMixin:
         best = None
         for g in self._atom_kv_groups:
             step = managers[g].block_size
-            n = 0
+            n = hit // step * step
             while n + step <= limit:
                 i = (n + step) // H - 1
                 if i >= len(hashes) or pool.get_cached_block(hashes[i], [g]) is None:
@@ -131,7 +132,8 @@ class AtomSchedulerMixin:
             plan = planner.plans.get(rid)
             if plan is None or plan.hit != start:
                 planner.plan(rid, request.num_prompt_tokens, request.block_hashes, hit=start,
-                             compressed=max(start, self._kv_prefix_tokens(request)))
+                             compressed=max(start, self._kv_prefix_tokens(
+                                 request, num_new_local_computed_tokens)))
         return planner.chunk_stop(rid, start, start + n) - start
 
     def _order_waiting(self) -> None:
@@ -202,29 +204,32 @@ class AtomSchedulerMixin:
         kvm = self.kv_cache_manager
         pool = kvm.block_pool
         managers = kvm.coordinator.single_type_managers
-        freed: list[FreedBlock] = []
+        states: list[FreedBlock] = []
+        kv: list[KVPages] = []
         nulls = []
         held = set()
         kept = []
         primary = self._atom_state_groups[0]
         for g, m in enumerate(managers):
-            is_state = isinstance(m.kv_cache_spec, MambaSpec)
-            size = m.block_size
-            for col, b in enumerate(m.pop_blocks_for_free(rid)):
+            blocks = m.pop_blocks_for_free(rid)
+            if not isinstance(m.kv_cache_spec, MambaSpec):
+                # (null pages, e.g. out of a sliding window, count as uncached)
+                kv.append(KVPages(m.block_size, blocks, [b.block_hash is not None for b in blocks]))
+                continue
+            for b in blocks:
                 if b.is_null:
                     nulls.append(b)   # vLLM passes them too; free_blocks skips them
                     continue
                 held.add(b.block_id)
-                cached = b.block_hash is not None
-                if is_state:
-                    pos = (b.block_hash_num_tokens or 0) if cached else 0
-                    freed.append(FreedBlock(b, True, pos, pos, cached))
-                    if cached and g == primary:
+                if b.block_hash is not None:
+                    pos = b.block_hash_num_tokens or 0
+                    states.append(FreedBlock(b, True, pos, pos, True))
+                    if g == primary:
                         kept.append(pos)
                 else:
-                    freed.append(FreedBlock(b, False, col * size, (col + 1) * size, cached))
-        freed += self._refreshed_states(request, held)
-        order = nulls + planner.eviction_order(freed)
+                    states.append(FreedBlock(b, True, 0, 0, False))
+        states += self._refreshed_states(request, held)
+        order = nulls + planner.eviction_order(states, kv)
         planner.finished(rid, prefix, kept)
         if self._request_blocks_can_be_freed(request):
             pool.free_blocks(order)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from atom_hybrid_cache.config import PlacementConfig
-from atom_hybrid_cache.vllm.planner import CheckpointPlanner, FreedBlock
+from atom_hybrid_cache.vllm.planner import CheckpointPlanner, FreedBlock, KVPages
 
 
 def planner(**placement) -> CheckpointPlanner:
@@ -14,8 +14,10 @@ def planner(**placement) -> CheckpointPlanner:
                              kv_share_tokens=1984, stats_log_interval=0, log=lambda m: None)
 
 
-def kv(col, cached=True, name=None):
-    return FreedBlock(name or f"K{col}", False, col * 128, (col + 1) * 128, cached)
+def kv(first_col, n, uncached=(), names=None):
+    """A KV group's pages first_col .. first_col + n - 1 (named K<col>)."""
+    cols = range(first_col, first_col + n)
+    return KVPages(128, names or [f"K{c}" for c in cols], [c not in uncached for c in cols], first_col)
 
 
 def st(pos, cached=True, name=None):
@@ -23,9 +25,9 @@ def st(pos, cached=True, name=None):
 
 
 def test_units_leave_from_the_top_state_first_uncached_before_all():
-    blocks = [kv(c) for c in range(6)] + [kv(6, cached=False, name="Kpartial"),
-                                          st(256), st(640), st(0, cached=False, name="Srun")]
-    order = planner().eviction_order(blocks)
+    pages = kv(0, 7, uncached={6}, names=[f"K{c}" for c in range(6)] + ["Kpartial"])
+    states = [st(256), st(640), st(0, cached=False, name="Srun")]
+    order = planner().eviction_order(states, [pages])
     assert order == ["Kpartial", "Srun",
                      "K5",                      # above every state: worth nothing alone
                      "S640", "K4", "K3", "K2",  # the unit of the state at 640
@@ -33,14 +35,23 @@ def test_units_leave_from_the_top_state_first_uncached_before_all():
 
 
 def test_lru_setting_keeps_vllms_order():
-    blocks = [kv(0), kv(1), st(128)]
-    assert planner(eviction="lru").eviction_order(blocks) == ["K0", "K1", "S128"]
+    assert planner(eviction="lru").eviction_order([st(128)], [kv(0, 2)]) == ["K0", "K1", "S128"]
 
 
 def test_a_state_on_a_partial_block_needs_that_block():
     # a prompt-end state at 1216 (hash granularity 64) needs KV [1152, 1280)
-    blocks = [kv(9), kv(8), st(1216), st(1024)]
-    assert planner().eviction_order(blocks) == ["S1216", "K9", "K8", "S1024"]
+    assert planner().eviction_order([st(1216), st(1024)], [kv(8, 2)]) == [
+        "S1216", "K9", "K8", "S1024"]
+
+
+def test_two_kv_groups_merge_by_page_end_within_a_unit():
+    # group A: 128-token pages 0..3; group B: 256-token pages 0..1 (ends 256, 512)
+    a = kv(0, 4, names=["A0", "A1", "A2", "A3"])
+    b = KVPages(256, ["B0", "B1"], [True, True])
+    order = planner().eviction_order([st(384)], [a, b])
+    # above 384: A3 (384-512); B1 (256-512) starts below 384: the unit of
+    # 384, whose pages leave by end, equal ends in group order (A1, B0)
+    assert order == ["A3", "S384", "B1", "A2", "A1", "B0", "A0"]
 
 
 def test_plan_after_a_cut_places_backoffs_but_not_the_anchor():
