@@ -541,13 +541,44 @@ class PointResult:
         return d
 
 
-def run_point(conversations: list, policy: Policy | str, *, concurrency: int, memory_gib: float,
-              max_model_len: int = DEFAULT_MAX_MODEL_LEN, max_output: int = DEFAULT_MAX_OUTPUT,
-              max_requests: Optional[int] = None,
-              max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
-              async_scheduling: bool = False, progress: bool = False,
-              log=None) -> PointResult:
-    """Serve the conversations through a fresh scheduler of one policy."""
+def run_point(conversations: list, policy: Policy | str, **kwargs) -> PointResult:
+    """Serve the conversations through a fresh scheduler of one policy
+    (keyword arguments: those of `serve_point`)."""
+    steps = serve_point(conversations, policy, **kwargs)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def run_points_interleaved(conversations: list, policies: list, **kwargs) -> list:
+    """Serve the conversations through one fresh scheduler per policy, one
+    step of each in turn, so that the machine's drift (on a shared 2-core
+    machine +-30% over a run) falls on every policy alike: the time ratios
+    come from the same minutes. Each scheduler's wall time then includes
+    the others'."""
+    runs = [serve_point(conversations, p, **kwargs) for p in policies]
+    results: list = [None] * len(runs)
+    live = list(range(len(runs)))
+    while live:
+        for i in list(live):
+            try:
+                next(runs[i])
+            except StopIteration as done:
+                results[i] = done.value
+                live.remove(i)
+    return results
+
+
+def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, memory_gib: float,
+                max_model_len: int = DEFAULT_MAX_MODEL_LEN, max_output: int = DEFAULT_MAX_OUTPUT,
+                max_requests: Optional[int] = None,
+                max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
+                async_scheduling: bool = False, progress: bool = False,
+                log=None):
+    """`run_point` as a generator: yields after every scheduler step and
+    returns the PointResult."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -771,6 +802,7 @@ def run_point(conversations: list, policy: Policy | str, *, concurrency: int, me
             if idle > 1000:
                 raise RuntimeError(f"{policy.name}: the scheduler made no progress in 1000 steps")
             finish(finished)
+            yield
     else:
         # EngineCore.step_with_batch_queue with a queue of 2 (async
         # scheduling): step N+1 is scheduled before step N's output is
@@ -791,6 +823,7 @@ def run_point(conversations: list, policy: Policy | str, *, concurrency: int, me
             if idle > 1000:
                 raise RuntimeError(f"{policy.name}: the scheduler made no progress in 1000 steps")
             finish(finished)
+            yield
     if bar is not None:
         bar.close()
     res.preempted_requests = len(preempted_ids)
@@ -897,6 +930,9 @@ def main(argv=None) -> int:
     ap.add_argument("--async-scheduling", action="store_true",
                     help="AsyncScheduler / AtomAsyncScheduler, driven as EngineCore's "
                          "batch queue of 2 does (default: the synchronous Scheduler)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="run the policies of a point side by side, one scheduler step of "
+                         "each in turn (time ratios from the same minutes; no progress bars)")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -916,14 +952,22 @@ def main(argv=None) -> int:
           f"{vllm.__version__} in {time.perf_counter() - t0:.1f} s", flush=True)
     results: list[PointResult] = []
     for conc, gib in args.points:
-        for name in args.policies:
-            gc.collect()
-            r = run_point(conversations, name, concurrency=conc, memory_gib=gib,
-                          max_model_len=args.max_model_len, max_output=args.max_output,
-                          max_requests=args.max_requests,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          async_scheduling=args.async_scheduling,
-                          progress=not args.no_progress, log=lambda s: print(s, flush=True))
+        common = dict(concurrency=conc, memory_gib=gib,
+                      max_model_len=args.max_model_len, max_output=args.max_output,
+                      max_requests=args.max_requests,
+                      max_num_batched_tokens=args.max_num_batched_tokens,
+                      async_scheduling=args.async_scheduling,
+                      log=lambda s: print(s, flush=True))
+        gc.collect()
+        if args.interleave:
+            point_results = run_points_interleaved(conversations, args.policies, **common)
+        else:
+            point_results = []
+            for name in args.policies:
+                gc.collect()
+                point_results.append(run_point(conversations, name,
+                                               progress=not args.no_progress, **common))
+        for name, r in zip(args.policies, point_results):
             results.append(r)
             if r.status == "ok":
                 print(f"  {name} c{conc}/{gib:g}: hit {100 * r.hit_rate:.2f}% / ceiling "
@@ -938,7 +982,7 @@ def main(argv=None) -> int:
                     max_requests=args.max_requests, max_output=args.max_output,
                     max_model_len=args.max_model_len,
                     max_num_batched_tokens=args.max_num_batched_tokens,
-                    async_scheduling=args.async_scheduling,
+                    async_scheduling=args.async_scheduling, interleave=args.interleave,
                     points=[f"c{c}:{g:g}" for c, g in args.points], policies=args.policies,
                     geometry="qwen3.5-27b (bf16 state)", vllm=vllm.__version__,
                     elapsed_s=time.perf_counter() - t0)

@@ -155,3 +155,18 @@ def test_cli_parsers():
         SB.parse_points("8-80")
     with pytest.raises(argparse.ArgumentTypeError):
         SB.parse_policies("native,nope")
+
+
+def test_interleaved_runs_give_each_policy_its_own_figures(conversations, plugin):
+    """--interleave steps one scheduler of each policy in turn: the figures
+    are those of the runs one after the other (the pins above), only the
+    times are taken side by side."""
+    native, pmu64, atom, hits_first = SB.run_points_interleaved(
+        conversations, ["native", "native-pmu64", "plugin", "plugin-hits-first"], **POINT)
+    for r, one_by_one in ((native, _measure(conversations, "native")),
+                          (atom, _measure(conversations, "plugin"))):
+        assert (r.status, r.steps, r.hit_tokens, r.preemptions) == (
+            "ok", one_by_one.steps, one_by_one.hit_tokens, one_by_one.preemptions)
+    assert (atom.hit_tokens, hits_first.hit_tokens, pmu64.hit_tokens) == (172_928, 178_624, 189_952)
+    assert atom.scheduler == hits_first.scheduler == "AtomScheduler"
+    assert native.scheduler == pmu64.scheduler == "Scheduler"
