@@ -32,6 +32,9 @@ and calls ``update_from_output()``. Per policy:
   (``time.perf_counter``), mean over steps that scheduled something, and its
   ratio to ``native`` (the goal for ``plugin`` is <= 1.0x). ``add_request()``
   is timed apart (it hashes the prompt), and so is the harness's own work.
+  With ``--interleave`` the schedulers of one point run side by side, one
+  step of each in turn: the machine's drift then falls on every policy
+  alike (the figures other than times are those of separate runs).
 
 Workload
 --------
