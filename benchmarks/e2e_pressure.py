@@ -304,13 +304,19 @@ def budget_blocks(multiple: float, ws: int, one: int) -> int:
 # Engines
 # ---------------------------------------------------------------------------
 
-def policy_kwargs(policy: str) -> dict[str, Any]:
+def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
+    """The engine arguments of a policy. `prefix_match_unit=64` refines hits
+    inside larger blocks; vLLM rejects it on a block of 64 or less (whose
+    own hash unit is already that fine)."""
+    fine_unit = {"prefix_match_unit": 64} if block_size > 64 else {}
     if policy == "off":
         return {"enable_prefix_caching": False}
     if policy in ("native", "attention-control"):
         return {}
     if policy == "native-pmu64":
-        return {"prefix_match_unit": 64}
+        if not fine_unit:
+            raise ValueError(f"native-pmu64 needs a block larger than 64 tokens, not {block_size}")
+        return fine_unit
     if policy == "native-dense":
         return {"prefix_cache_retention_interval": None}
     if policy in PLUGIN_POLICIES:
@@ -324,8 +330,7 @@ def policy_kwargs(policy: str) -> dict[str, Any]:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
-        return {"prefix_match_unit": 64,
-                "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
+        return {**fine_unit, "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     raise ValueError(f"unknown policy {policy!r}")
 
 
@@ -406,32 +411,37 @@ def max_logprob_gap(logprobs: list[float], reference: list[float]) -> float:
     return max((abs(a - b) for a, b in zip(logprobs, reference)), default=0.0)
 
 
+def state_caches(llm) -> list[tuple[int, str, Any, Any]]:
+    """(KV cache group, layer name, conv pages, recurrent-state pages) of
+    every GDN layer of an in-process engine; page `i` is pool block `i`."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+    core = llm.llm_engine.engine_core.engine_core
+    ctx = (core.model_executor.driver_worker.worker.model_runner
+           .vllm_config.compilation_config.static_forward_context)
+    out = []
+    for g, group in enumerate(core.scheduler.kv_cache_config.kv_cache_groups):
+        if isinstance(group.kv_cache_spec, MambaSpec):
+            for name in group.layer_names:
+                conv, ssm = ctx[name].kv_cache
+                out.append((g, name, conv, ssm))
+    return out
+
+
 def zero_state_pages(llm) -> None:
     """Zero every GDN state page of an in-process engine (between rounds, when
     no request runs): what a resume from a lost or misplaced state reads.
     The tests use it to show that the output checks see wrong states."""
-    core = llm.llm_engine.engine_core.engine_core
-    groups = core.scheduler.kv_cache_config.kv_cache_groups
-    ctx = (core.model_executor.driver_worker.worker.model_runner
-           .vllm_config.compilation_config.static_forward_context)
-    from vllm.v1.kv_cache_interface import MambaSpec
-    for group in groups:
-        if isinstance(group.kv_cache_spec, MambaSpec):
-            for name in group.layer_names:
-                conv, ssm = ctx[name].kv_cache
-                conv.zero_()
-                ssm.zero_()
+    for _, _, conv, ssm in state_caches(llm):
+        conv.zero_()
+        ssm.zero_()
 
 
 def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
                geometry: str = "default", **extra) -> dict[str, Any]:
-    kwargs = policy_kwargs(policy)
     block_size = GEOMETRIES[geometry]["block_size"]
+    kwargs = policy_kwargs(policy, block_size)
     if geometry != "default":
         kwargs["block_size"] = block_size
-        if policy in PLUGIN_POLICIES and block_size <= 64:
-            # the plugin asks for a finer hash unit only when blocks are larger
-            kwargs.pop("prefix_match_unit", None)
     kwargs.update(extra)
     t0 = time.monotonic()
     llm = make_llm(model_for(policy, geometry), num_blocks, max_model_len, **kwargs)

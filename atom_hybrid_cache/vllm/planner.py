@@ -13,7 +13,6 @@ it has already classified.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 from dataclasses import dataclass, field
@@ -46,16 +45,13 @@ class RequestPlan:
     retained_max: int = 0
 
 
-class FreedBlock(NamedTuple):
-    """One page a freed request gives back, as the scheduler classified it.
-
-    A KV page holds tokens [start, end); a state page holds the state after
-    `end` tokens (start == end). `handle` is the vLLM block object."""
+class FreedState(NamedTuple):
+    """A state page a freed request gives back: the state after `position`
+    tokens when `cached` (indexed), else a running page with no position.
+    `handle` is the vLLM block object."""
 
     handle: object
-    is_state: bool
-    start: int
-    end: int
+    position: int
     cached: bool
 
 
@@ -196,7 +192,7 @@ class CheckpointPlanner:
                 kind = "anchor" if pos >= prompt_end_block else "junction"
             self.stats.record_write(kind)
 
-    def eviction_order(self, states: Sequence[FreedBlock], kv: Sequence[KVPages] = ()) -> list:
+    def eviction_order(self, states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> list:
         """The order a freed request's pages go back to the LRU, first
         evicted first.
 
@@ -211,7 +207,7 @@ class CheckpointPlanner:
         """
         if not self.reuse_aware:
             return [h for run in kv for h in run.handles] + [b.handle for b in states]
-        tops = sorted({b.end for b in states if b.cached}, reverse=True)
+        tops = sorted({b.position for b in states if b.cached}, reverse=True)
         first = []
         # units[0]: KV pages above every state; units[u + 1]: tops[u]'s pages
         units: list = [[] for _ in range(len(tops) + 1)]
@@ -233,7 +229,7 @@ class CheckpointPlanner:
         first += [b.handle for b in states if not b.cached]
         out = first + units[0]
         for u, pos in enumerate(tops):
-            out += [b.handle for b in states if b.cached and b.end == pos]
+            out += [b.handle for b in states if b.cached and b.position == pos]
             out += units[u + 1]
         return out
 

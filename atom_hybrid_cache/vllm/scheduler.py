@@ -34,7 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import SERVER_STATS_LOG_INTERVAL, CacheConfig, apply_env
-from .planner import CheckpointPlanner, FreedBlock, KVPages
+from .planner import CheckpointPlanner, FreedState, KVPages
 from .state_manager import AtomStateManager
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -204,7 +204,7 @@ class AtomSchedulerMixin:
         kvm = self.kv_cache_manager
         pool = kvm.block_pool
         managers = kvm.coordinator.single_type_managers
-        states: list[FreedBlock] = []
+        states: list[FreedState] = []
         kv: list[KVPages] = []
         nulls = []
         held = set()
@@ -223,11 +223,11 @@ class AtomSchedulerMixin:
                 held.add(b.block_id)
                 if b.block_hash is not None:
                     pos = b.block_hash_num_tokens or 0
-                    states.append(FreedBlock(b, True, pos, pos, True))
+                    states.append(FreedState(b, pos, True))
                     if g == primary:
                         kept.append(pos)
                 else:
-                    states.append(FreedBlock(b, True, 0, 0, False))
+                    states.append(FreedState(b, 0, False))
         states += self._refreshed_states(request, held)
         order = nulls + planner.eviction_order(states, kv)
         planner.finished(rid, prefix, kept)
@@ -237,7 +237,7 @@ class AtomSchedulerMixin:
             # drained in reverse (see Scheduler._drain_deferred_frees)
             self.deferred_frees.append((self.sched_step_seq, order[::-1]))
 
-    def _refreshed_states(self, request, held: set) -> list[FreedBlock]:
+    def _refreshed_states(self, request, held: set) -> list[FreedState]:
         """A few states other requests left on this prefix, taken back so
         they leave with this request's KV in unit order: the one it resumed
         from and, as fallbacks, the highest below each fallback fraction of
@@ -256,7 +256,7 @@ class AtomSchedulerMixin:
                 pool.touch(new)
                 for b in new:
                     held.add(b.block_id)
-                    out.append(FreedBlock(b, True, pos, pos, True))
+                    out.append(FreedState(b, pos, True))
         return out
 
     def _highest_state_at_or_below(self, request, top: int):

@@ -95,35 +95,32 @@ def _count_prefill_forwards(llm) -> dict:
     return counter
 
 
-def _state_pages(llm, positions):
-    """{position: [(recurrent state, conv window) per GDN layer]} of the
-    cached state pages holding the state after `position` tokens (one page
-    per state group; in these engines only prompt A has states there)."""
+def _state_pages(llm, positions, state_caches):
+    """{position: [(layer, recurrent state, conv window) per GDN layer]} of
+    the cached state pages holding the state after `position` tokens (one
+    page per state group; in these engines only prompt A has states there).
+    `state_caches`: benchmarks/e2e_pressure.py's accessor of the layers'
+    cache tensors."""
     from vllm.v1.core.kv_cache_utils import get_group_id
-    core = llm.llm_engine.engine_core.engine_core
-    sched = core.scheduler
-    groups = sched.kv_cache_config.kv_cache_groups
-    ctx = (core.model_executor.driver_worker.worker.model_runner
-           .vllm_config.compilation_config.static_forward_context)
+    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+    layers = state_caches(llm)
     out = {}
     for pos in positions:
         pages = []
-        for b in sched.kv_cache_manager.block_pool.blocks:
+        for b in pool.blocks:
             if b.block_hash is None or b.block_hash_num_tokens != pos:
                 continue
             g = get_group_id(b.block_hash)
-            if g not in sched._atom_state_groups:
-                continue
-            for name in groups[g].layer_names:
-                conv, ssm = ctx[name].kv_cache
-                pages.append((name, ssm[b.block_id].clone(), conv[b.block_id].clone()))
+            pages += [(name, ssm[b.block_id].clone(), conv[b.block_id].clone())
+                      for group, name, conv, ssm in layers if group == g]
         out[pos] = sorted(pages, key=lambda t: t[0])
     return out
 
 
-def _run(llm, calls, positions=()):
+def _run(llm, calls, positions=(), state_caches=None):
     """Per prompt (D, A, B, C): (cached tokens, output, prefill forwards of
-    its generate call); and the state pages A left, read before B and C."""
+    its generate call, logprob of the output token); and the state pages A
+    left, read before B and C."""
     from vllm import SamplingParams
     counter = _count_prefill_forwards(llm)
     sp = SamplingParams(max_tokens=1, temperature=0, logprobs=0)
@@ -137,11 +134,12 @@ def _run(llm, calls, positions=()):
             rows.append((out.num_cached_tokens or 0, list(o.token_ids),
                          counter["forwards"] - before, o.logprobs[0][o.token_ids[0]].logprob))
         if positions and pages is None:
-            pages = _state_pages(llm, positions)
+            pages = _state_pages(llm, positions, state_caches)
     return (rows, pages) if positions else rows
 
 
-def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, monkeypatch):
+def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, monkeypatch,
+                                                                      pressure_bench):
     calls = _calls()
     runs = {"off": _run(make_llm(enable_prefix_caching=False), calls)}
     pages = {}
@@ -167,7 +165,7 @@ def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, m
         assert planner is not None
         assert planner.interior_readable is (name == "interior")
         if name in ("cut", "interior"):
-            runs[name], pages[name] = _run(llm, calls, RUNGS)
+            runs[name], pages[name] = _run(llm, calls, RUNGS, pressure_bench.state_caches)
         else:
             runs[name] = _run(llm, calls)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from atom_hybrid_cache.config import PlacementConfig
-from atom_hybrid_cache.vllm.planner import CheckpointPlanner, FreedBlock, KVPages
+from atom_hybrid_cache.vllm.planner import CheckpointPlanner, FreedState, KVPages
 
 
 def planner(**placement) -> CheckpointPlanner:
@@ -21,7 +21,7 @@ def kv(first_col, n, uncached=(), names=None):
 
 
 def st(pos, cached=True, name=None):
-    return FreedBlock(name or f"S{pos}", True, pos, pos, cached)
+    return FreedState(name or f"S{pos}", pos, cached)
 
 
 def test_units_leave_from_the_top_state_first_uncached_before_all():
