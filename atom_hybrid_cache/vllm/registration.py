@@ -7,6 +7,9 @@ Written against vLLM 0.32.0:
   with `AtomInteriorStateManager` (vllm/v1/kv_cache_spec_registry.py);
 - `QwenGatedDeltaNetAttention.register_oot(AtomGDN)` (PluggableLayer,
   vllm/model_executor/custom_op.py);
+- `KVConnectorFactory.register_connector("AtomStatsConnector", ...)`: the
+  connector that carries our counters to /metrics (vllm/distributed/
+  kv_transfer/kv_connector/factory.py), chosen by `--kv-transfer-config`;
 - the scheduler is chosen by vLLM's own `--scheduler-cls` setting
   (`atom_hybrid_cache.vllm.scheduler.AtomScheduler`), not registered.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 PATCHES: tuple = ()  # monkeypatches applied to vLLM: none
 
-_done = {"manager": False, "layer": False}
+_done = {"manager": False, "layer": False, "connector": False}
 
 
 def register_cache_manager() -> None:
@@ -52,6 +55,23 @@ def register_gdn_layer() -> None:
     _done["layer"] = True
 
 
+def register_stats_connector() -> None:
+    """`--kv-transfer-config '{"kv_connector": "AtomStatsConnector", ...}'`
+    resolves to our connector. Idempotent (vLLM raises on a second
+    registration of a name)."""
+    if _done["connector"]:
+        return
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from .metrics_connector import CONNECTOR_NAME
+
+    if CONNECTOR_NAME not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            CONNECTOR_NAME, "atom_hybrid_cache.vllm.metrics_connector", CONNECTOR_NAME)
+    _done["connector"] = True
+
+
 def register_all() -> None:
     register_cache_manager()
     register_gdn_layer()
+    register_stats_connector()

@@ -34,6 +34,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import SERVER_STATS_LOG_INTERVAL, CacheConfig, apply_env
+from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
 from .state_manager import AtomStateManager
 
@@ -74,6 +75,11 @@ class AtomSchedulerMixin:
         for g in state_groups:
             managers[g].planner = planner
         self._atom = planner
+        connector = getattr(self, "connector", None)
+        if isinstance(connector, AtomStatsConnector):
+            connector.report(planner.stats)
+            logger.info("atom_hybrid_cache: counters exported as vllm:atom_* metrics "
+                        "through %s", CONNECTOR_NAME)
         self._atom_hits_first = env_cfg.admission_order == "hits-first"
         self._atom_passed_over: dict = {}
         self._atom_state_groups = state_groups

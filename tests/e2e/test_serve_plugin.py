@@ -9,13 +9,16 @@ Acceptance items 3 and 6 of the vLLM plugin issue:
   server log carries the plugin's "atom_hybrid_cache enabled" line, the
   scheduler's set-up line and the core's stats lines;
 * a bad ``ATOM_*`` value stops start-up, before the model loads, with a
-  message naming the variable.
+  message naming the variable;
+* with ``--kv-transfer-config '{"kv_connector": "AtomStatsConnector", ...}'``
+  the core's counters appear on ``/metrics`` as ``vllm:atom_*`` (the
+  connector moves no KV: the hits are those of the first test).
 
 Every server runs in its own process group (``start_new_session=True``) and
 is killed by group id in a ``finally`` (SIGTERM, then SIGKILL), so neither
 the API server nor vLLM's EngineCore/Worker processes outlive a test.
 
-Times on the 2-core machine: the serve test 35-42 s (healthy after 34-41 s,
+Times on the 2-core machine: each serve test 35-42 s (healthy after 34-41 s,
 60-100 s when the machine is busy; the two requests ~4 s; shutdown ~1 s). The
 bad settings fail at plugin load, while ``vllm serve`` builds its argument
 parser (``AsyncEngineArgs.add_cli_args`` calls ``load_general_plugins``, which
@@ -83,7 +86,7 @@ def _serve_env(vllm_cpu_env: dict[str, str], **extra: str) -> dict[str, str]:
     return env
 
 
-def _serve_cmd(model: Path, port: int) -> list[str]:
+def _serve_cmd(model: Path, port: int, extra_args: tuple = ()) -> list[str]:
     # `python -m vllm.entrypoints.cli.main` is what the `vllm` script runs,
     # without depending on where pip put that script.
     return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
@@ -94,15 +97,15 @@ def _serve_cmd(model: Path, port: int) -> list[str]:
             "--max-num-batched-tokens", "2048",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
             "--scheduler-cls", SCHEDULER_CLS, "--prefix-match-unit", "64",
-            "--seed", "0"]
+            "--seed", "0", *extra_args]
 
 
-def _start_serve(model: Path, port: int, env: dict[str, str], log_path: Path
-                 ) -> subprocess.Popen:
+def _start_serve(model: Path, port: int, env: dict[str, str], log_path: Path,
+                 extra_args: tuple = ()) -> subprocess.Popen:
     # cwd: the log's folder, not the checkout, whose folder `python -m` would
     # put first on sys.path (the installed package is what vLLM should load).
     with open(log_path, "wb") as log:        # the child keeps its own descriptor
-        return subprocess.Popen(_serve_cmd(model, port), env=env, cwd=log_path.parent,
+        return subprocess.Popen(_serve_cmd(model, port, extra_args), env=env, cwd=log_path.parent,
                                 stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -270,6 +273,69 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
     finally:
         _stop_group(proc)
         print(f"serve test: {time.monotonic() - t0:.1f} s including shutdown")
+    assert not _group_members(proc.pid), "server processes left behind"
+
+
+# -- our counters on /metrics, through the stats connector -----------------
+
+STATS_CONNECTOR_ARGS = ("--kv-transfer-config",
+                        json.dumps({"kv_connector": "AtomStatsConnector", "kv_role": "kv_both"}))
+
+
+def _metrics_when(url: str, name: str, want: float, timeout_s: float = 15.0) -> str:
+    """/metrics once counter `name` reached `want` (the front end gets the
+    engine's stats a moment after the answer), or the last read."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _HTTP.open(url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        if (_metric_total(metrics, name) or 0) >= want or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_serve_exports_the_cache_counters_on_metrics(tiny_model_path, vllm_cpu_env, tmp_path):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "serve.log"
+    rng = random.Random(0)
+    prompt = words(rng.randrange(NUM_WORDS) for _ in range(PROMPT_LEN))
+
+    t0 = time.monotonic()
+    proc = _start_serve(tiny_model_path, port, _serve_env(vllm_cpu_env), log_path,
+                        STATS_CONNECTOR_ARGS)
+    try:
+        healthy_s = _wait_healthy(proc, url, log_path)
+        print(f"vllm serve with the stats connector healthy after {healthy_s:.1f} s")
+        first = _complete(url, prompt)
+        second = _complete(url, prompt)
+        # the connector moves no KV: the same hits as without it
+        assert (_cached_tokens(first), _cached_tokens(second)) == (0, 576)
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+
+        metrics = _metrics_when(url, "vllm:atom_admissions_total", 2)
+        ours = sorted(line for line in metrics.splitlines() if line.startswith("vllm:atom_"))
+        print("\n".join(ours))
+        assert _metric_total(metrics, "vllm:atom_admissions_total") == 2, ours
+        assert _metric_total(metrics, "vllm:atom_prompt_tokens_total") == 2 * PROMPT_LEN
+        assert _metric_total(metrics, "vllm:atom_reusable_prompt_tokens_total") == 576
+        assert _metric_total(metrics, "vllm:atom_cached_prompt_tokens_total") == 576
+        assert _metric_total(metrics, "vllm:atom_computed_prompt_tokens_total") == \
+            2 * PROMPT_LEN - 576
+        assert _metric_total(metrics, "vllm:atom_resumed_requests_total") == 1
+        assert _metric_total(metrics, "vllm:atom_full_reuse_requests_total") == 1
+        # the labels vLLM gives its own counters, and one of ours per kind
+        assert re.search(r'^vllm:atom_admissions_total\{engine="0",model_name="tiny"\} 2\.0$',
+                         metrics, re.M), ours
+        log = log_path.read_text(errors="replace")
+        assert "counters exported as vllm:atom_* metrics through AtomStatsConnector" in log
+        # vLLM keeps the hybrid KV cache manager on (the connector declares
+        # SupportsHMA), or the plugin's state groups would not exist
+        assert SCHEDULER_LINE in log, _tail(log_path)
+    finally:
+        _stop_group(proc)
+        print(f"stats connector serve test: {time.monotonic() - t0:.1f} s including shutdown")
     assert not _group_members(proc.pid), "server processes left behind"
 
 
