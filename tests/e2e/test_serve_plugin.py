@@ -325,6 +325,11 @@ def test_serve_exports_the_cache_counters_on_metrics(tiny_model_path, vllm_cpu_e
             2 * PROMPT_LEN - 576
         assert _metric_total(metrics, "vllm:atom_resumed_requests_total") == 1
         assert _metric_total(metrics, "vllm:atom_full_reuse_requests_total") == 1
+        # the first request wrote the prompt-end state the second resumed
+        # on (vLLM keeps it in a page of its own; the release takes it back)
+        assert re.search(r'^vllm:atom_checkpoints_written_total\{engine="0",kind="anchor",'
+                         r'model_name="tiny"\} 1\.0$', metrics, re.M), ours
+        assert _metric_total(metrics, "vllm:atom_checkpoints_written_total") == 1
         # the labels vLLM gives its own counters, and one of ours per kind
         assert re.search(r'^vllm:atom_admissions_total\{engine="0",model_name="tiny"\} 2\.0$',
                          metrics, re.M), ours
