@@ -234,11 +234,14 @@ class AtomSchedulerMixin:
                         kept.append(pos)
                 else:
                     states.append(FreedState(b, 0, False))
-        refreshed = self._refreshed_states(request, held)
-        states += refreshed
-        prompt_end = self._prompt_end_state_position(request)
-        if prompt_end not in kept and any(s.position == prompt_end for s in refreshed):
-            kept.append(prompt_end)   # vLLM's own, kept in a page of its own (below)
+        states += self._refreshed_states(request, held)
+        # vLLM keeps the prompt-end state in a page of its own (a copy of
+        # the state at the prefill's last hash boundary, given back to the
+        # LRU once the copy ran), not in the block table: count it here
+        prompt_end = (request.num_prompt_tokens - 1) // H * H
+        if prompt_end not in kept and self._highest_state_at_or_below(
+                request, prompt_end, max_pages=0):
+            kept.append(prompt_end)
         order = nulls + planner.eviction_order(states, kv)
         planner.finished(rid, prefix, kept)
         if self._request_blocks_can_be_freed(request):
@@ -247,30 +250,16 @@ class AtomSchedulerMixin:
             # drained in reverse (see Scheduler._drain_deferred_frees)
             self.deferred_frees.append((self.sched_step_seq, order[::-1]))
 
-    def _prompt_end_state_position(self, request) -> int:
-        """Where vLLM keeps the state of a prompt's end: its last hash
-        boundary below the prompt's last token (a hit never covers it)."""
-        H = self.hash_block_size
-        return (request.num_prompt_tokens - 1) // H * H
-
     def _refreshed_states(self, request, held: set) -> list[FreedState]:
-        """States taken back so they leave with this request's KV in unit
-        order:
-        - its own prompt-end state: vLLM keeps it in a page of its own (a
-          copy of the state at the prefill's last hash boundary) and gives
-          that page back to the LRU as soon as the copy ran, so it sits
-          there ahead of the KV it needs and would be evicted first;
-        - the state it resumed from;
-        - as fallbacks, the highest below each fallback fraction of its
-          length.
-        Older anchors beyond those are history and stay where their own
-        request left them in the LRU."""
+        """A few states other requests left on this prefix, taken back so
+        they leave with this request's KV in unit order: the one it resumed
+        from and, as fallbacks, the highest below each fallback fraction of
+        its length. Older anchors beyond those are history and stay where
+        their own request left them in the LRU."""
         plan = self._atom.plans.get(request.request_id)
         end = request.num_computed_tokens
         step = self._atom.block_size
-        wanted = [self._prompt_end_state_position(request)]
-        if plan is not None and plan.hit:
-            wanted.append(plan.hit)
+        wanted = [plan.hit] if plan is not None and plan.hit else []
         wanted += [int(end * f) // step * step for f in self._atom.placement.fallback_fractions]
         pool = self.kv_cache_manager.block_pool
         out = []
@@ -283,17 +272,17 @@ class AtomSchedulerMixin:
                     out.append(FreedState(b, pos, True))
         return out
 
-    def _highest_state_at_or_below(self, request, top: int):
+    def _highest_state_at_or_below(self, request, top: int, max_pages: int = STATE_SEARCH_PAGES):
         """[(position, pages of every state group)] for the highest position
         <= top where all our state groups index this request's prefix;
-        looks at most STATE_SEARCH_PAGES pages down."""
+        looks at `top` itself, then at most `max_pages` pages down."""
         pool = self.kv_cache_manager.block_pool
         hashes = request.block_hashes
         H = self.hash_block_size
         groups = self._atom_state_groups
         step = self._atom.block_size
         pos = top  # the resume point itself may be sub-page; then page by page
-        for _ in range(STATE_SEARCH_PAGES):
+        for _ in range(max_pages + 1):
             if pos <= 0:
                 break
             i = pos // H - 1

@@ -326,7 +326,7 @@ def test_serve_exports_the_cache_counters_on_metrics(tiny_model_path, vllm_cpu_e
         assert _metric_total(metrics, "vllm:atom_resumed_requests_total") == 1
         assert _metric_total(metrics, "vllm:atom_full_reuse_requests_total") == 1
         # the first request wrote the prompt-end state the second resumed
-        # on (vLLM keeps it in a page of its own; the release takes it back)
+        # on (vLLM keeps it in a page of its own, outside the block table)
         assert re.search(r'^vllm:atom_checkpoints_written_total\{engine="0",kind="anchor",'
                          r'model_name="tiny"\} 1\.0$', metrics, re.M), ours
         assert _metric_total(metrics, "vllm:atom_checkpoints_written_total") == 1
