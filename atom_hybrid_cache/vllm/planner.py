@@ -88,9 +88,6 @@ class CheckpointPlanner:
         self.interior_readable = interior_readable
         self._log = log
         self.plans: dict[str, RequestPlan] = {}
-        # request -> (highest planned position, planned positions), for the
-        # state managers' retention hook (read per group per request per step)
-        self.retaining: dict[str, tuple[int, tuple]] = {}
         self._seen: set = set()
 
     # -- admission -----------------------------------------------------
@@ -116,10 +113,6 @@ class CheckpointPlanner:
         plan = RequestPlan(prompt_len, hit, compressed, reusable, targets, dict(targets.kinds),
                            tuple(targets.kinds), retained_max=max(targets.kinds, default=0))
         self.plans[request_id] = plan
-        if plan.retained:
-            self.retaining[request_id] = (plan.retained_max, plan.retained)
-        else:
-            self.retaining.pop(request_id, None)
         return plan
 
     def chunk_stop(self, request_id: str, start: int, end: int) -> int:
@@ -144,10 +137,10 @@ class CheckpointPlanner:
         """The planned positions the state managers keep, while one is still
         ahead of `computed`: the blocks up to it were hashed by earlier
         calls, so later ones need nothing (the per-step path stays light)."""
-        ahead = self.retaining.get(request_id)
-        if ahead is None or ahead[0] <= computed:
+        plan = self.plans.get(request_id)
+        if plan is None or plan.retained_max <= computed:
             return ()
-        return ahead[1]
+        return plan.retained
 
     def admitted(self, request_id: str, num_cached_tokens: int) -> None:
         """The request was scheduled for the first time with this hit."""
@@ -180,7 +173,6 @@ class CheckpointPlanner:
         """A request gave its pages back; `kept_states` are the positions of
         the states it wrote that are still indexed (one state group's)."""
         plan = self.plans.pop(request_id, None)
-        self.retaining.pop(request_id, None)
         seen = self._seen
         room = SEEN_HASH_LIMIT - len(seen)
         if room > 0:
@@ -234,10 +226,15 @@ class CheckpointPlanner:
                 hi = min(hi, lo)
         if merge:
             units = [[h for _, h in sorted(unit, key=lambda e: -e[0])] for unit in units]
-        first += [b.handle for b in states if not b.cached]
+        at: dict = {}
+        for b in states:
+            if b.cached:
+                at.setdefault(b.position, []).append(b.handle)
+            else:
+                first.append(b.handle)
         out = first + units[0]
         for u, pos in enumerate(tops):
-            out += [b.handle for b in states if b.cached and b.position == pos]
+            out += at[pos]
             out += units[u + 1]
         return out
 

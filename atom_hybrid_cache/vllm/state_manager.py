@@ -16,6 +16,7 @@ the planned positions inside its span (see `gdn_backend.interior_targets`).
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
@@ -26,16 +27,22 @@ from .planner import CheckpointPlanner
 _PROBE_HASH = b"\x5a" * 32
 
 
-def _index_key_suffix(block_pool, group_id: int) -> Optional[bytes]:
-    """The bytes vLLM appends to a block hash to index it in `group_id`, or
-    None where that is not how this vLLM keys its prefix index (then the
-    lookup takes vLLM's own path)."""
+@functools.lru_cache(maxsize=None)
+def _key_suffix(group_id: int) -> Optional[bytes]:
+    """The bytes vLLM appends to a block hash to key it in `group_id`'s
+    index, or None where keys are not built that way."""
     suffix = make_block_hash_with_group_id(_PROBE_HASH, group_id)[len(_PROBE_HASH):]
     if make_block_hash_with_group_id(b"\x01" * 8, group_id) != b"\x01" * 8 + suffix:
         return None
+    return suffix
+
+
+def _index_key_suffix(block_pool, group_id: int) -> Optional[bytes]:
+    """`_key_suffix`, or None where the pool's prefix index is not the
+    plain dict it reads (then the lookup takes vLLM's own path)."""
     if not isinstance(getattr(block_pool.cached_block_hash_to_block, "_cache", None), dict):
         return None
-    return suffix
+    return _key_suffix(group_id)
 
 
 class AtomStateManager(MambaManager):
@@ -82,13 +89,10 @@ class AtomStateManager(MambaManager):
 
     def cache_blocks(self, request, num_tokens: int, retention_interval: Optional[int] = None, *,
                      replay_boundaries: Sequence[int]) -> None:
-        # CheckpointPlanner.retained_ahead, inlined: this runs for every
-        # state group and running request each step
-        planner = self.planner
-        if planner is not None and retention_interval is not None:
-            ahead = planner.retaining.get(request.request_id)
-            if ahead is not None and ahead[0] > request.num_computed_tokens:
-                replay_boundaries = (*replay_boundaries, *ahead[1])
+        if self.planner is not None and retention_interval is not None:
+            extra = self.planner.retained_ahead(request.request_id, request.num_computed_tokens)
+            if extra:
+                replay_boundaries = (*replay_boundaries, *extra)
         super().cache_blocks(request, num_tokens, retention_interval,
                              replay_boundaries=replay_boundaries)
 

@@ -208,6 +208,18 @@ def _metric_total(metrics: str, name: str) -> float:
     return sum(values) if values else None
 
 
+def _metrics_when(url: str, name: str, want: float, timeout_s: float = 15.0) -> str:
+    """/metrics once counter `name` reached `want` (the front end gets the
+    engine's stats a moment after the answer), or the last read."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with _HTTP.open(url + "/metrics", timeout=10) as r:
+            metrics = r.read().decode()
+        if (_metric_total(metrics, name) or 0) >= want or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.5)
+
+
 # -- 3. serve with the plugin caches the second answer ---------------------
 
 @pytest.mark.slow
@@ -235,16 +247,9 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         assert second["choices"][0]["text"] == first["choices"][0]["text"]   # greedy
 
         # The Prometheus counters are fed by the same stats; allow them a moment.
-        hits = cached = None
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            with _HTTP.open(url + "/metrics", timeout=10) as r:
-                metrics = r.read().decode()
-            hits = _metric_total(metrics, "vllm:prefix_cache_hits_total")
-            cached = _metric_total(metrics, "vllm:prompt_tokens_cached_total")
-            if (hits or 0) > 0:
-                break
-            time.sleep(0.5)
+        metrics = _metrics_when(url, "vllm:prefix_cache_hits_total", 1, timeout_s=10)
+        hits = _metric_total(metrics, "vllm:prefix_cache_hits_total")
+        cached = _metric_total(metrics, "vllm:prompt_tokens_cached_total")
         assert (hits or 0) > 0 or (cached or 0) > 0, (hits, cached)
         print(f"cached_tokens {_cached_tokens(first)} then {_cached_tokens(second)}; "
               f"prefix_cache_hits_total {hits}, prompt_tokens_cached_total {cached}")
@@ -280,18 +285,6 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
 
 STATS_CONNECTOR_ARGS = ("--kv-transfer-config",
                         json.dumps({"kv_connector": "AtomStatsConnector", "kv_role": "kv_both"}))
-
-
-def _metrics_when(url: str, name: str, want: float, timeout_s: float = 15.0) -> str:
-    """/metrics once counter `name` reached `want` (the front end gets the
-    engine's stats a moment after the answer), or the last read."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with _HTTP.open(url + "/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        if (_metric_total(metrics, name) or 0) >= want or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.5)
 
 
 @pytest.mark.slow
