@@ -10,8 +10,12 @@ geometry in bf16:
 - `fla`         fla's public chunk forward (no boundary states kept);
 - `keep-h`      the same fla stages keeping `h` (gated_delta_chunk_forward);
 - `keep-h+ckpt` keep-h plus one store_interior_checkpoints launch writing
-                every target's state and conv window (targets off the grid);
+                every target's state and conv window (targets off the grid),
+                advancing from the boundary with the forward's corrections
+                (one product per target and tile);
 - `ckpt`        the extraction launch alone;
+- `ckpt-serial` the same launch advancing token by token from v and beta
+                (the kernel before corrections were kept);
 - `cut`         the rows cut onto their targets: one forward per piece,
                 carrying the state, as without interior states.
 
@@ -20,7 +24,8 @@ round, so clock and thermal drift hit them alike). A standalone `ckpt` wall
 time is mostly host launch cost: the GPU idles while Python launches it,
 which inside a forward it does not. So the cost of extraction is also taken
 from the profiler: device time of the extraction kernel over the device time
-of the forward's kernels, summed over the same iterations (`ckpt_share`).
+of the forward's kernels, summed over the same iterations (`ckpt_share`;
+`serial_share` for the token-by-token advance).
 
 Needs a CUDA GPU, Triton and fla-core.
 """
@@ -118,12 +123,21 @@ def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int,
 
     def extract(f=fwd):
         store_interior_checkpoints(writes, cu, state_pool=pool, chunk_states=f.chunk_states,
+                                   final_state=f.final_state, k=f.k, g=g,
+                                   corrections=f.corrections, chunk_offsets=f.chunk_offsets,
+                                   conv_pool=conv_pool, conv_x=conv_x, backend="triton")
+
+    def extract_serial(f=fwd):
+        store_interior_checkpoints(writes, cu, state_pool=pool, chunk_states=f.chunk_states,
                                    final_state=f.final_state, k=f.k, v=v, g=g, beta=beta,
                                    chunk_offsets=f.chunk_offsets, conv_pool=conv_pool,
                                    conv_x=conv_x, backend="triton")
 
     def keep_h_ckpt():
         extract(keep_h())
+
+    def keep_h_ckpt_serial():
+        extract_serial(keep_h())
 
     cuts = [0, *positions, row_tokens]
 
@@ -136,15 +150,17 @@ def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int,
             state = gated_delta_chunk_forward(q[idx], k[idx], v[idx], g[idx], beta[idx], piece,
                                               initial_state=state, backend="fla").final_state
 
-    variants = {"fla": plain, "keep-h": keep_h, "keep-h+ckpt": keep_h_ckpt, "ckpt": extract}
+    variants = {"fla": plain, "keep-h": keep_h, "keep-h+ckpt": keep_h_ckpt, "ckpt": extract,
+                "ckpt-serial": extract_serial}
     if with_cut:
         variants["cut"] = cut
     out = _time_interleaved_ms(variants)
-    kernels = _device_us_by_kernel(keep_h_ckpt)
-    ckpt_us = sum(us for name, us in kernels.items() if "store_checkpoints" in name)
-    forward_us = sum(kernels.values()) - ckpt_us
-    out.update(ckpt_device_us=ckpt_us, forward_device_us=forward_us,
-               ckpt_share=ckpt_us / forward_us if forward_us else float("nan"))
+    for key, fn in (("", keep_h_ckpt), ("serial_", keep_h_ckpt_serial)):
+        kernels = _device_us_by_kernel(fn)
+        ckpt_us = sum(us for name, us in kernels.items() if "store_checkpoints" in name)
+        forward_us = sum(kernels.values()) - ckpt_us
+        out.update({f"{key}ckpt_device_us": ckpt_us, f"{key}forward_device_us": forward_us,
+                    f"{key or 'ckpt_'}share": ckpt_us / forward_us if forward_us else float("nan")})
     out.update(kind="kda" if kda else "gdn", rows=rows, row_tokens=row_tokens, targets=len(writes))
     return out
 
@@ -166,12 +182,15 @@ def main(argv=None) -> int:
     results = [bench_kind(kda, a.rows, a.row_tokens, a.targets_per_row, with_cut=not a.no_cut)
                for kda in kinds]
     print(f"{'kind':5} {'tokens':>7} {'targets':>7} {'fla':>8} {'keep-h':>8} {'+ckpt':>8} "
-          f"{'ckpt':>8} {'cut':>8} | {'fwd dev':>8} {'ckpt dev':>8} {'share':>7}")
+          f"{'ckpt':>8} {'serial':>8} {'cut':>8} | {'fwd dev':>8} {'ckpt dev':>8} {'share':>7} "
+          f"{'serial dev':>10} {'share':>7}")
     for r in results:
         print(f"{r['kind']:5} {r['rows'] * r['row_tokens']:>7} {r['targets']:>7} {r['fla']:8.3f} "
               f"{r['keep-h']:8.3f} {r['keep-h+ckpt']:8.3f} {r['ckpt']:8.3f} "
-              f"{r.get('cut', float('nan')):8.3f} | {r['forward_device_us'] / 1e3:8.3f} "
-              f"{r['ckpt_device_us'] / 1e3:8.3f} {r['ckpt_share']:7.2%}")
+              f"{r['ckpt-serial']:8.3f} {r.get('cut', float('nan')):8.3f} | "
+              f"{r['forward_device_us'] / 1e3:8.3f} {r['ckpt_device_us'] / 1e3:8.3f} "
+              f"{r['ckpt_share']:7.2%} {r['serial_ckpt_device_us'] / 1e3:10.3f} "
+              f"{r['serial_share']:7.2%}")
     print("(wall: ms per layer, interleaved medians; dev: profiler device ms per layer)")
     if a.json:
         with open(a.json, "w") as f:

@@ -6,9 +6,10 @@ rewritten here): for KDA `chunk_kda(..., return_intermediate_states=True)`,
 for GDN the same fla stages `chunk_gated_delta_rule` runs, with `h` kept
 instead of dropped. Elsewhere it is the torch reference of gated_delta_ref.
 
-Either way the result carries the k the delta rule saw (after the optional
-l2norm), which `store_interior_checkpoints` needs to advance a boundary
-state to an off-grid position.
+Either way the result carries what `store_interior_checkpoints` needs to
+advance a boundary state to an off-grid position: the k the delta rule saw
+(after the optional l2norm) and the corrections each token wrote (fla's
+`v_new`, which its forward computes and its public entry points drop).
 
 Note for bf16 models: fla stores `h` in k's dtype, so with bf16 activations
 the boundary states (and so on-grid checkpoints) are bf16-rounded, exact in
@@ -30,6 +31,7 @@ class ChunkForward(NamedTuple):
     chunk_states: torch.Tensor   # [NT_total, HV, K, V]
     chunk_offsets: torch.Tensor  # [N + 1]
     k: torch.Tensor              # [T, H, K], as the delta rule saw it
+    corrections: torch.Tensor    # [T, HV, V], u_t (fla's v_new, in v's dtype there)
 
 
 def l2norm_ref(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -65,7 +67,7 @@ def gated_delta_chunk_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     res = gated_delta_rule_varlen(q, k, v, g, beta, cu_seqlens, scale=scale,
                                   initial_state=initial_state, chunk_size=chunk_size)
     return ChunkForward(res.output.to(v.dtype), res.final_state, res.chunk_states,
-                        res.chunk_offsets, k)
+                        res.chunk_offsets, k, res.corrections)
 
 
 def _fla_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
@@ -74,7 +76,8 @@ def _fla_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
     from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_fwd_h
     from fla.ops.common.chunk_o import chunk_fwd_o
     from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
-    from fla.ops.kda import chunk_kda
+    from fla.ops.gla.chunk import chunk_gla_fwd_o_gk
+    from fla.ops.kda.chunk_intra import chunk_kda_fwd_intra
     from fla.ops.utils import chunk_local_cumsum, prepare_chunk_indices
     from fla.ops.utils.constant import RCP_LN2
 
@@ -87,17 +90,21 @@ def _fla_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
         # normalise once, here, so the k handed back is exactly the one used
         q1, _ = l2norm_fwd(q1)
         k1, _ = l2norm_fwd(k1)
+    chunk_indices = prepare_chunk_indices(cu, chunk_size)
     with torch.inference_mode():
+        # the stages of fla's chunk_kda / chunk_gated_delta_rule, keeping h and v_new
+        gc = chunk_local_cumsum(g1, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu,
+                                chunk_indices=chunk_indices)
         if per_dim_gate(g, k, v):
-            o, final, h = chunk_kda(q1, k1, v1, g1, b1, scale=scale, initial_state=initial_state,
-                                    output_final_state=True, use_qk_l2norm_in_kernel=False,
-                                    cu_seqlens=cu, chunk_size=chunk_size,
-                                    return_intermediate_states=True)
+            w, u, _, kg, Aqk, _ = chunk_kda_fwd_intra(
+                q=q1, k=k1, v=v1, gk=gc, beta=b1, scale=scale, cu_seqlens=cu,
+                chunk_size=chunk_size, chunk_indices=chunk_indices)
+            h, v_new, final = chunk_gated_delta_rule_fwd_h(
+                k=kg, w=w, u=u, gk=gc, initial_state=initial_state, output_final_state=True,
+                chunk_size=chunk_size, cu_seqlens=cu, chunk_indices=chunk_indices)
+            o = chunk_gla_fwd_o_gk(q=q1, v=v_new, g=gc, A=Aqk, h=h, scale=scale, cu_seqlens=cu,
+                                   chunk_size=chunk_size, chunk_indices=chunk_indices)
         else:
-            # chunk_gated_delta_rule's own stages, keeping h
-            chunk_indices = prepare_chunk_indices(cu, chunk_size)
-            gc = chunk_local_cumsum(g1, chunk_size=chunk_size, scale=RCP_LN2, cu_seqlens=cu,
-                                    chunk_indices=chunk_indices)
             w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k1, v=v1, g=gc, beta=b1, cu_seqlens=cu,
                                                        chunk_size=chunk_size,
                                                        chunk_indices=chunk_indices)
@@ -106,4 +113,4 @@ def _fla_forward(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
                 chunk_size=chunk_size, cu_seqlens=cu, chunk_indices=chunk_indices)
             o = chunk_fwd_o(q=q1, k=k1, v=v_new, h=h, g=gc, scale=scale, cu_seqlens=cu,
                             chunk_size=chunk_size, chunk_indices=chunk_indices)
-    return ChunkForward(o[0], final, h[0], _chunk_offsets(cu, chunk_size), k1[0])
+    return ChunkForward(o[0], final, h[0], _chunk_offsets(cu, chunk_size), k1[0], v_new[0])

@@ -19,7 +19,13 @@ row. Token t updates it as
 Everything runs in fp32 whatever the input dtype. Besides the outputs and the
 final state, both forms return `chunk_states`: S at the start of every
 chunk of `chunk_size` tokens, S_0, S_C, S_2C, ... (fla's `h`), which is what
-interior checkpoints are cut from.
+interior checkpoints are cut from, and `corrections`: the value u_t each
+token writes, u_t = beta_t (v_t - (e^{g_t} S_{t-1})^T k_t) (fla's `v_new`).
+With them the state after any r tokens of a chunk is one sum, not r steps:
+
+    S_{c+r} = e^{G_r} S_c + sum_{i <= r} (k_i e^{G_r - G_i}) u_i^T
+
+with G the in-chunk cumulative log decay (`advance_state_with_corrections`).
 
 The chunked form is written so that a run stopped at a chunk boundary
 computes bit-for-bit the same state as the longer run's boundary state: every
@@ -39,6 +45,7 @@ class DeltaRuleResult(NamedTuple):
     output: torch.Tensor        # [T, HV, V] fp32
     final_state: torch.Tensor   # [HV, K, V] fp32, S_T
     chunk_states: torch.Tensor  # [ceil(T / C), HV, K, V] fp32, S_0, S_C, ...
+    corrections: torch.Tensor   # [T, HV, V] fp32, u_t
 
 
 class VarlenDeltaRuleResult(NamedTuple):
@@ -46,6 +53,7 @@ class VarlenDeltaRuleResult(NamedTuple):
     final_state: torch.Tensor    # [N, HV, K, V] fp32
     chunk_states: torch.Tensor   # [NT_total, HV, K, V] fp32, row r's chunk c at chunk_offsets[r] + c
     chunk_offsets: torch.Tensor  # [N + 1] int64
+    corrections: torch.Tensor    # [T_total, HV, V] fp32
 
 
 def per_dim_gate(g: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -91,14 +99,19 @@ def _prepare(q, k, v, g, beta, scale, initial_state):
     return q, k, v, g, beta, S, scale
 
 
-def delta_rule_step(S: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
-                    beta_t: torch.Tensor) -> torch.Tensor:
-    """One token: S [HV, K, V], k_t [HV, K], v_t [HV, V], g_t [HV] or [HV, K], beta_t [HV]."""
+def _delta_rule_step(S, k_t, v_t, g_t, beta_t):
+    """(S after the token, the correction u_t it wrote)."""
     decay = g_t.exp()
     S = S * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
     predicted = torch.einsum("hkv,hk->hv", S, k_t)
     delta = beta_t[:, None] * (v_t - predicted)
-    return S + k_t[:, :, None] * delta[:, None, :]
+    return S + k_t[:, :, None] * delta[:, None, :], delta
+
+
+def delta_rule_step(S: torch.Tensor, k_t: torch.Tensor, v_t: torch.Tensor, g_t: torch.Tensor,
+                    beta_t: torch.Tensor) -> torch.Tensor:
+    """One token: S [HV, K, V], k_t [HV, K], v_t [HV, V], g_t [HV] or [HV, K], beta_t [HV]."""
+    return _delta_rule_step(S, k_t, v_t, g_t, beta_t)[0]
 
 
 def advance_state(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -115,6 +128,23 @@ def advance_state(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torc
     return S
 
 
+def advance_state_with_corrections(state: torch.Tensor, k: torch.Tensor,
+                                   corrections: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """The same state as `advance_state`, from the corrections u [n, HV, V]
+    the forward already computed for those tokens: the old state decays
+    through all n tokens, and token i's write k_i u_i^T through the tokens
+    after it. No step depends on the one before, so a kernel does it as one
+    matrix product instead of n dependent steps."""
+    HV = corrections.shape[1]
+    if g.dim() == 2:                       # GDN [n, HV] -> one factor per (token, head)
+        g = g[:, :, None]
+    k = _heads_to_value_heads(k, HV).float()
+    G = g.float().cumsum(0)                # [n, HV, 1 or K], inclusive
+    to_end = (G[-1:] - G).exp()            # decay from after token i to after token n - 1
+    written = torch.einsum("thk,thv->hkv", k * to_end, corrections.float())
+    return state.float() * G[-1].exp()[:, :, None] + written
+
+
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                g: torch.Tensor, beta: torch.Tensor, *,
                                scale: Optional[float] = None,
@@ -124,14 +154,15 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     q, k, v, g, beta, S, scale = _prepare(q, k, v, g, beta, scale, initial_state)
     T, HV = v.shape[0], v.shape[1]
     out = torch.empty(T, HV, v.shape[2], dtype=torch.float32, device=v.device)
+    corrections = torch.empty_like(out)
     boundaries = []
     for t in range(T):
         if t % chunk_size == 0:
             boundaries.append(S)
-        S = delta_rule_step(S, k[t], v[t], g[t], beta[t])
+        S, corrections[t] = _delta_rule_step(S, k[t], v[t], g[t], beta[t])
         out[t] = scale * torch.einsum("hkv,hk->hv", S, q[t])
     chunk_states = torch.stack(boundaries) if boundaries else S.new_zeros(0, *S.shape)
-    return DeltaRuleResult(out, S, chunk_states)
+    return DeltaRuleResult(out, S, chunk_states, corrections)
 
 
 def _chunk_step(S, q, k, v, g, beta, scale):
@@ -174,7 +205,7 @@ def _chunk_step(S, q, k, v, g, beta, scale):
     u = u - w @ S                                     # the corrections written
     out = scale * (q_decayed @ S + qk.masked_fill(~causal, 0.0) @ u)
     S = end_decay * S + k_to_end.transpose(1, 2) @ u
-    return out, S
+    return out, S, u
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -187,6 +218,7 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     T, HV = v.shape[0], v.shape[1]
     C = chunk_size
     out = torch.empty(T, HV, v.shape[2], dtype=torch.float32, device=v.device)
+    corrections = torch.empty_like(out)
     boundaries = []
     for start in range(0, T, C):
         boundaries.append(S)
@@ -198,10 +230,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if pad:
             chunk = [F.pad(x, (0, 0, 0, pad)) if x.dim() == 3 else F.pad(x, (0, pad))
                      for x in chunk]
-        o, S = _chunk_step(S, *chunk, scale)
+        o, S, u = _chunk_step(S, *chunk, scale)
         out[start:start + n] = o[:, :n].transpose(0, 1)
+        corrections[start:start + n] = u[:, :n].transpose(0, 1)
     chunk_states = torch.stack(boundaries) if boundaries else S.new_zeros(0, *S.shape)
-    return DeltaRuleResult(out, S, chunk_states)
+    return DeltaRuleResult(out, S, chunk_states, corrections)
 
 
 def chunk_offsets(cu_seqlens: torch.Tensor, chunk_size: int) -> torch.Tensor:
@@ -221,7 +254,7 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     each from its own initial state [N, HV, K, V] (zeros when None)."""
     fn = chunk_gated_delta_rule if chunked else recurrent_gated_delta_rule
     bounds = cu_seqlens.tolist()
-    outs, finals, boundaries = [], [], []
+    outs, finals, boundaries, corrections = [], [], [], []
     for r in range(len(bounds) - 1):
         a, b = bounds[r], bounds[r + 1]
         h0 = None if initial_state is None else initial_state[r]
@@ -230,10 +263,13 @@ def gated_delta_rule_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
         outs.append(res.output)
         finals.append(res.final_state)
         boundaries.append(res.chunk_states)
+        corrections.append(res.corrections)
     HV, K, V = v.shape[1], k.shape[2], v.shape[2]
     empty = torch.zeros(0, HV, K, V, dtype=torch.float32, device=v.device)
+    no_tokens = torch.zeros(0, HV, V, device=v.device)
     return VarlenDeltaRuleResult(
-        torch.cat(outs) if outs else torch.zeros(0, HV, V, device=v.device),
+        torch.cat(outs) if outs else no_tokens,
         torch.stack(finals) if finals else empty,
         torch.cat(boundaries) if boundaries else empty,
-        chunk_offsets(cu_seqlens, chunk_size))
+        chunk_offsets(cu_seqlens, chunk_size),
+        torch.cat(corrections) if corrections else no_tokens)

@@ -11,8 +11,11 @@ position:
   states stop at the start of the last chunk, so `h` has no entry there);
 - a target on the chunk grid (position % C == 0) copies its boundary state;
 - any other target advances the boundary state before it through the
-  remaining position % C tokens with the recurrent rule (never the boundary
-  state itself: that would be the state of a different, shorter prefix).
+  remaining position % C tokens (never the boundary state itself: that
+  would be the state of a different, shorter prefix). Given the forward's
+  `corrections` (fla's `v_new`: what each token wrote), the advance is one
+  sum over those tokens, a matrix product in the kernel; without them it
+  runs the recurrent rule token by token, a chain of dependent steps.
 
 The conv window at position p is the W - 1 conv inputs before p, reaching into
 the row's initial window when p < W - 1.
@@ -37,7 +40,8 @@ from typing import Optional, Sequence
 import torch
 
 from ._triton import HAS_TRITON, cast_for_store, next_power_of_2, resolve_backend, tl, triton
-from .gated_delta_ref import advance_state, chunk_offsets as _chunk_offsets, per_dim_gate
+from .gated_delta_ref import (advance_state, advance_state_with_corrections,
+                              chunk_offsets as _chunk_offsets, per_dim_gate)
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ def store_interior_checkpoints(
         final_state: Optional[torch.Tensor] = None,
         k: Optional[torch.Tensor] = None, v: Optional[torch.Tensor] = None,
         g: Optional[torch.Tensor] = None, beta: Optional[torch.Tensor] = None,
+        corrections: Optional[torch.Tensor] = None,
         chunk_offsets: Optional[torch.Tensor] = None, chunk_size: int = 64,
         conv_pool: Optional[torch.Tensor] = None, conv_x: Optional[torch.Tensor] = None,
         conv_initial_windows: Optional[torch.Tensor] = None,
@@ -105,23 +110,29 @@ def store_interior_checkpoints(
 
     Recurrent half (when `state_pool` is given): `chunk_states` [NT_total, HV,
     K, V] (fla's `h`), `final_state` [N, HV, K, V], and the delta rule's own
-    inputs k [T, H, K] (as the rule sees it: after any l2norm), v [T, HV, V],
-    g [T, HV] (GDN) or [T, HV, K] (KDA) in log space, beta [T, HV].
+    inputs k [T, H, K] (as the rule sees it: after any l2norm) and g [T, HV]
+    (GDN) or [T, HV, K] (KDA) in log space; then either the forward's
+    `corrections` [T, HV, V] (the advance is a product) or v [T, HV, V] and
+    beta [T, HV] (the advance steps token by token).
     Conv half (when `conv_pool` is given): the conv inputs `conv_x` [T, D]
     and the rows' initial windows [N, D, W - 1] (None: zeros, fresh rows).
     """
     chunk_states = _drop_batch(chunk_states, 4)
     if k is not None and k.dim() == 4:  # fla's [1, T, ...] packing: drop it everywhere
-        k, v, g, beta = (x if x is None else _drop_batch(x, x.dim() - 1) for x in (k, v, g, beta))
+        k, v, g, beta, corrections = (x if x is None else _drop_batch(x, x.dim() - 1)
+                                      for x in (k, v, g, beta, corrections))
     conv_x = _drop_batch(conv_x, 2)
     if state_pool is None and conv_pool is None:
         raise ValueError("nothing to store: pass state_pool and/or conv_pool")
     if state_pool is not None:
-        missing = [n for n, x in dict(chunk_states=chunk_states, final_state=final_state, k=k,
-                                      v=v, g=g, beta=beta).items() if x is None]
+        needs = dict(chunk_states=chunk_states, final_state=final_state, k=k, g=g)
+        if corrections is None:
+            needs.update(v=v, beta=beta)
+        missing = [n for n, x in needs.items() if x is None]
         if missing:
-            raise ValueError(f"the recurrent half needs {', '.join(missing)}")
-        per_dim_gate(g, k, v)
+            raise ValueError(f"the recurrent half needs {', '.join(missing)}"
+                             + ("" if corrections is not None else " (or corrections)"))
+        per_dim_gate(g, k, corrections if corrections is not None else v)
         if chunk_offsets is None:
             chunk_offsets = _chunk_offsets(cu_seqlens, chunk_size)
     if conv_pool is not None and conv_x is None:
@@ -135,20 +146,20 @@ def store_interior_checkpoints(
     if resolve_backend(backend, anchor) == "triton":
         grid, args, meta = checkpoint_launch(
             writes, cu_seqlens, state_pool=state_pool, chunk_states=chunk_states,
-            final_state=final_state, k=k, v=v, g=g, beta=beta, chunk_offsets=chunk_offsets,
-            chunk_size=chunk_size, conv_pool=conv_pool, conv_x=conv_x,
+            final_state=final_state, k=k, v=v, g=g, beta=beta, corrections=corrections,
+            chunk_offsets=chunk_offsets, chunk_size=chunk_size, conv_pool=conv_pool, conv_x=conv_x,
             conv_initial_windows=conv_initial_windows)
         store_checkpoints_kernel[grid](*args, **meta)
     else:
         _store_checkpoints_torch(writes, cu_seqlens, state_pool, chunk_states, final_state,
-                                 k, v, g, beta, chunk_offsets, chunk_size,
+                                 k, v, g, beta, corrections, chunk_offsets, chunk_size,
                                  conv_pool, conv_x, conv_initial_windows)
 
 
 # -- torch path: the readable reference --------------------------------------
 
 def _store_checkpoints_torch(writes, cu_seqlens, state_pool, chunk_states, final_state,
-                             k, v, g, beta, chunk_offsets, chunk_size,
+                             k, v, g, beta, corrections, chunk_offsets, chunk_size,
                              conv_pool, conv_x, conv_initial_windows):
     bounds = cu_seqlens.tolist()
     offsets = None if chunk_offsets is None else chunk_offsets.tolist()
@@ -164,7 +175,10 @@ def _store_checkpoints_torch(writes, cu_seqlens, state_pool, chunk_states, final
                 chunk = pos // chunk_size
                 state = chunk_states[offsets[row] + chunk]
                 a, b = bos + chunk * chunk_size, bos + pos   # tokens since that boundary
-                if b > a:
+                if b > a and corrections is not None:
+                    state = advance_state_with_corrections(state, k[a:b], corrections[a:b],
+                                                           g[a:b])
+                elif b > a:
                     state = advance_state(state, k[a:b], v[a:b], g[a:b], beta[a:b])
             state_pool[slot] = state.to(state_pool.dtype)
         if conv_pool is not None:
@@ -193,15 +207,16 @@ if HAS_TRITON:
                 do_not_specialize_on_alignment=["write_row", "write_pos", "write_slot",
                                                 "cu_seqlens", "chunk_offsets", "chunk_states",
                                                 "final_state", "k", "v", "g", "beta",
-                                                "conv_x", "conv_init"])
+                                                "corrections", "conv_x", "conv_init"])
     def store_checkpoints_kernel(
             write_row, write_pos, write_slot, num_writes,
             cu_seqlens, chunk_offsets,
-            chunk_states, final_state, k, v, g, beta,
+            chunk_states, final_state, k, v, g, beta, corrections,
             state_pool, pool_stride_slot, pool_stride_head, pool_stride_k, pool_stride_v,
             conv_x, conv_init, conv_pool, conv_stride_slot, conv_stride_ch, conv_stride_tap,
             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
             BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, PER_DIM_GATE: tl.constexpr,
+            HAS_CORRECTIONS: tl.constexpr,
             D: tl.constexpr, TAPS: tl.constexpr, BD: tl.constexpr,
             STORE_STATE: tl.constexpr, STORE_CONV: tl.constexpr, HAS_CONV_INIT: tl.constexpr,
             N_STATE_PROGRAMS: tl.constexpr):
@@ -234,21 +249,53 @@ if HAS_TRITON:
                         chunk = tl.load(chunk_offsets + row).to(tl.int64) + i_c
                         b_s = tl.load(chunk_states + (chunk * HV + i_h) * (K * V) + tile,
                                       mask=m_kv, other=0.0).to(tl.float32)
-                        # off the grid: advance through the tokens since that boundary
-                        for t in range(bos + i_c * CHUNK, bos + pos):
-                            b_k = tl.load(k + (t * H + i_h // (HV // H)) * K + o_k,
-                                          mask=m_k, other=0.0).to(tl.float32)
-                            b_v = tl.load(v + (t * HV + i_h) * V + o_v,
-                                          mask=m_v, other=0.0).to(tl.float32)
-                            b_beta = tl.load(beta + t * HV + i_h).to(tl.float32)
+                        if HAS_CORRECTIONS:
+                            # off the grid: the boundary state decays through the n tokens
+                            # since it, and each token's write k_i u_i^T through the ones
+                            # after it: one product over the chunk, tokens >= n masked
+                            n = pos - i_c * CHUNK
+                            o_t = tl.arange(0, CHUNK)
+                            m_t = o_t < n
+                            t = bos + i_c * CHUNK + o_t
+                            b_k = tl.load(k + (t[:, None] * H + i_h // (HV // H)) * K + o_k[None, :],
+                                          mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                            b_u = tl.load(corrections + (t[:, None] * HV + i_h) * V + o_v[None, :],
+                                          mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
                             if PER_DIM_GATE:
-                                b_g = tl.load(g + (t * HV + i_h) * K + o_k,
-                                              mask=m_k, other=0.0).to(tl.float32)
-                                b_s = b_s * tl.exp(b_g)[:, None]
+                                b_g = tl.load(g + (t[:, None] * HV + i_h) * K + o_k[None, :],
+                                              mask=m_t[:, None] & m_k[None, :],
+                                              other=0.0).to(tl.float32)
+                                b_G = tl.cumsum(b_g, axis=0)
+                                # masked tokens add 0: row CHUNK - 1 holds G after token n - 1
+                                b_last = tl.sum(tl.where((o_t == CHUNK - 1)[:, None], b_G, 0.0),
+                                                axis=0)
+                                b_kd = b_k * tl.where(m_t[:, None], tl.exp(b_last[None, :] - b_G),
+                                                      0.0)
+                                b_s = b_s * tl.exp(b_last)[:, None]
                             else:
-                                b_s = b_s * tl.exp(tl.load(g + t * HV + i_h).to(tl.float32))
-                            b_pred = tl.sum(b_s * b_k[:, None], axis=0)
-                            b_s = b_s + b_k[:, None] * ((b_v - b_pred) * b_beta)[None, :]
+                                b_g = tl.load(g + t * HV + i_h, mask=m_t, other=0.0).to(tl.float32)
+                                b_G = tl.cumsum(b_g, axis=0)
+                                b_last = tl.sum(tl.where(o_t == CHUNK - 1, b_G, 0.0), axis=0)
+                                b_kd = b_k * tl.where(m_t, tl.exp(b_last - b_G), 0.0)[:, None]
+                                b_s = b_s * tl.exp(b_last)
+                            # ieee: tf32 would cost the fp32 exactness (1e-5)
+                            b_s += tl.dot(tl.trans(b_kd), b_u, input_precision="ieee")
+                        else:
+                            # off the grid: advance through the tokens since that boundary
+                            for t in range(bos + i_c * CHUNK, bos + pos):
+                                b_k = tl.load(k + (t * H + i_h // (HV // H)) * K + o_k,
+                                              mask=m_k, other=0.0).to(tl.float32)
+                                b_v = tl.load(v + (t * HV + i_h) * V + o_v,
+                                              mask=m_v, other=0.0).to(tl.float32)
+                                b_beta = tl.load(beta + t * HV + i_h).to(tl.float32)
+                                if PER_DIM_GATE:
+                                    b_g = tl.load(g + (t * HV + i_h) * K + o_k,
+                                                  mask=m_k, other=0.0).to(tl.float32)
+                                    b_s = b_s * tl.exp(b_g)[:, None]
+                                else:
+                                    b_s = b_s * tl.exp(tl.load(g + t * HV + i_h).to(tl.float32))
+                                b_pred = tl.sum(b_s * b_k[:, None], axis=0)
+                                b_s = b_s + b_k[:, None] * ((b_v - b_pred) * b_beta)[None, :]
                     p_out = (state_pool + slot * pool_stride_slot + i_h * pool_stride_head
                              + o_k[:, None] * pool_stride_k + o_v[None, :] * pool_stride_v)
                     tl.store(p_out, cast_for_store(b_s, p_out), mask=m_kv)
@@ -276,7 +323,8 @@ else:  # pragma: no cover
 
 def checkpoint_launch(writes: CheckpointWrites, cu_seqlens: torch.Tensor, *,
                       state_pool=None, chunk_states=None, final_state=None, k=None, v=None,
-                      g=None, beta=None, chunk_offsets=None, chunk_size: int = 64,
+                      g=None, beta=None, corrections=None, chunk_offsets=None,
+                      chunk_size: int = 64,
                       conv_pool=None, conv_x=None, conv_initial_windows=None):
     """(grid, positional args, constexpr kwargs) of `store_checkpoints_kernel`.
 
@@ -286,17 +334,24 @@ def checkpoint_launch(writes: CheckpointWrites, cu_seqlens: torch.Tensor, *,
     store_conv = conv_pool is not None
     # absent halves still need pointer arguments; any int32 tensor will do
     dummy = writes.row
+    has_corrections = corrections is not None
     if store_state:
         H, K = k.shape[1], k.shape[2]
-        HV, V = v.shape[1], v.shape[2]
-        per_dim = per_dim_gate(g, k, v)
-        chunk_states, final_state, k, v, g, beta = (
-            x.contiguous() for x in (chunk_states, final_state, k, v, g, beta))
+        values = corrections if has_corrections else v
+        HV, V = values.shape[1], values.shape[2]
+        per_dim = per_dim_gate(g, k, values)
+        if has_corrections:  # the advance reads neither v nor beta
+            v = beta = dummy
+        else:
+            corrections = dummy
+        chunk_states, final_state, k, v, g, beta, corrections = (
+            x.contiguous() for x in (chunk_states, final_state, k, v, g, beta, corrections))
         pool_strides = state_pool.stride()
     else:
         H = HV = K = V = 1
-        per_dim = False
+        per_dim = has_corrections = False
         chunk_offsets = chunk_states = final_state = k = v = g = beta = state_pool = dummy
+        corrections = dummy
         pool_strides = (0, 0, 0, 0)
     if store_conv:
         D, taps = conv_pool.shape[1], conv_pool.shape[2]
@@ -311,16 +366,24 @@ def checkpoint_launch(writes: CheckpointWrites, cu_seqlens: torch.Tensor, *,
         conv_strides = (0, 0, 0)
     BK = next_power_of_2(K)
     BV = min(next_power_of_2(V), 32)
+    if has_corrections:  # tl.dot takes no side below 16 (masks cover the padding)
+        BK, BV = max(BK, 16), max(BV, 16)
     BD = min(next_power_of_2(D), 256)
     n_state = HV * triton.cdiv(V, BV) if store_state else 0
     n_conv = triton.cdiv(D, BD) if store_conv else 0
     grid = (len(writes), n_state + n_conv)
     args = (writes.row, writes.position, writes.slot, len(writes),
             cu_seqlens, chunk_offsets,
-            chunk_states, final_state, k, v, g, beta,
+            chunk_states, final_state, k, v, g, beta, corrections,
             state_pool, *pool_strides,
             conv_x, conv_init, conv_pool, *conv_strides)
     meta = dict(H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, CHUNK=chunk_size, PER_DIM_GATE=per_dim,
+                HAS_CORRECTIONS=has_corrections,
                 D=D, TAPS=taps, BD=BD, STORE_STATE=store_state, STORE_CONV=store_conv,
                 HAS_CONV_INIT=has_init, N_STATE_PROGRAMS=n_state)
+    if has_corrections:
+        # A KDA tile of the product holds k, its decays and their cumsum
+        # [CHUNK, BK] at once: at K = 128 ptxas gives 4 warps 255 registers
+        # and a stack (spills) for sm90, 8 warps 154 and none.
+        meta["num_warps"] = 8
     return grid, args, meta

@@ -82,7 +82,7 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
                                          interior.slots, row_lengths=[n for _, n in spans])
     store_interior_checkpoints(writes, cu_t, state_pool=ssm_pool,
                                chunk_states=fwd.chunk_states, final_state=fwd.final_state,
-                               k=fwd.k, v=v.float(), g=g, beta=beta,
+                               k=fwd.k, g=g, corrections=fwd.corrections,
                                chunk_offsets=fwd.chunk_offsets, conv_pool=conv_pool,
                                conv_x=x, conv_initial_windows=w0.to(x.dtype), backend="torch")
 

@@ -8,7 +8,9 @@ of every argument (an int equal to 1 becomes a constant, an int or pointer
 divisible by 16 gets another key, constexprs are baked in). The probe builds
 the real launch arguments with each kernel's own launch builder, computes
 the key exactly as the runtime would for that target, and compiles each
-distinct key. Prints one JSON object.
+distinct key. It also reports the sm90 registers and stack (spills) of the
+checkpoint kernel at full model geometry, read from the cubin with the
+cuobjdump Triton ships. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import pkgutil
 import re
+import subprocess
 import sys
 import tempfile
 import textwrap
@@ -46,7 +49,8 @@ CHECKPOINT_BATCHES = [([5], 1, 0), ([160, 64, 33], 5, 1), ([64] * 16, 16, 3),
                       ([100, 3], 32, 8), ([17], 7, 13)]
 
 
-def checkpoint_launches(kda: bool, state: bool, conv: bool, H=2, HV=4, K=32, V=32, D=48, W=4):
+def checkpoint_launches(kda: bool, state: bool, conv: bool, H=2, HV=4, K=32, V=32, D=48, W=4,
+                        corrections: bool = False):
     for lens, n_targets, n_decode in CHECKPOINT_BATCHES:
         T, N = sum(lens), len(lens)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
@@ -61,8 +65,12 @@ def checkpoint_launches(kda: bool, state: bool, conv: bool, H=2, HV=4, K=32, V=3
             kw.update(state_pool=torch.empty(40, HV, K, V, dtype=torch.bfloat16),
                       chunk_states=torch.empty(n_chunks, HV, K, V),
                       final_state=torch.empty(N, HV, K, V),
-                      k=tokens(H, K), v=tokens(HV, V), g=tokens(HV, K) if kda else tokens(HV),
-                      beta=tokens(HV), chunk_offsets=torch.zeros(N + 1, dtype=torch.int64))
+                      k=tokens(H, K), g=tokens(HV, K) if kda else tokens(HV),
+                      chunk_offsets=torch.zeros(N + 1, dtype=torch.int64))
+            if corrections:
+                kw.update(corrections=tokens(HV, V))
+            else:
+                kw.update(v=tokens(HV, V), beta=tokens(HV))
         if conv:
             kw.update(conv_pool=torch.empty(40, D, W - 1, dtype=torch.bfloat16), conv_x=tokens(D),
                       conv_initial_windows=torch.empty(N, D, W - 1))
@@ -83,6 +91,10 @@ CASES = {
         "gdn state+conv": lambda: checkpoint_launches(False, True, True),
         "kda state+conv": lambda: checkpoint_launches(True, True, True),
         "gdn state": lambda: checkpoint_launches(False, True, False),
+        "gdn state+conv, corrections": lambda: checkpoint_launches(False, True, True,
+                                                                   corrections=True),
+        "kda state+conv, corrections": lambda: checkpoint_launches(True, True, True,
+                                                                   corrections=True),
         "conv": lambda: checkpoint_launches(False, False, True),
     },
     "merge_attn_states_kernel": {"merge": merge_launches},
@@ -150,6 +162,52 @@ def rebuilt(jit: JITFunction, count: str, *, constexpr=False, specialize=False,
     return JITFunction(fn, do_not_specialize=dns, do_not_specialize_on_alignment=dnsa)
 
 
+# full geometry: (kind, H, HV, K, V) of Qwen3-Next GDN and Kimi-Linear KDA
+MODEL_GEOMETRIES = [("gdn", 16, 32, 128, 128), ("kda", 32, 32, 128, 128)]
+
+
+def checkpoint_launch_at(kind: str, H: int, HV: int, K: int, V: int, corrections: bool,
+                         T: int = 4096, D: int = 8192, W: int = 4):
+    """One launch of the full-size kernel (one off-grid target, bf16 model)."""
+    cu = torch.tensor([0, T], dtype=torch.int32)
+    writes = CheckpointWrites.from_lists([0], [80], [0])
+    bf16 = dict(dtype=torch.bfloat16)
+    kw = dict(state_pool=torch.empty(1, HV, K, V, **bf16),
+              chunk_states=torch.empty(T // 64, HV, K, V, **bf16),
+              final_state=torch.empty(1, HV, K, V), k=torch.empty(T, H, K, **bf16),
+              g=torch.empty(T, HV, K) if kind == "kda" else torch.empty(T, HV),
+              chunk_offsets=torch.zeros(2, dtype=torch.int64),
+              conv_pool=torch.empty(1, D, W - 1, **bf16), conv_x=torch.empty(T, D, **bf16))
+    if corrections:
+        kw.update(corrections=torch.empty(T, HV, V, **bf16))
+    else:
+        kw.update(v=torch.empty(T, HV, V, **bf16), beta=torch.empty(T, HV, **bf16))
+    return checkpoint_launch(writes, cu, **kw)
+
+
+def sm90_resources(jit: JITFunction, launch):
+    """{registers, stack} per thread of the launch's sm90 build; None where
+    Triton ships no cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    target = TARGETS["sm90"]
+    backend = make_backend(target)
+    (bound, spec, options), = variant_keys(jit, target, [launch])
+    opts, signature, constexprs, attrs = jit._pack_args(backend, options, bound, spec, options)
+    k = triton.compile(ASTSource(jit, signature, constexprs, attrs), target=target,
+                       options=opts.__dict__)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    try:
+        usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                               text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    return dict(registers=int(m.group(1)), stack=int(m.group(2)))
+
+
 def main() -> None:
     report = {"kernels": {}, "uncovered": [], "counter_examples": {}}
     found = package_kernels()
@@ -178,6 +236,11 @@ def main() -> None:
             specialized_alignment=len(variant_keys(rebuilt(jit, count, specialize_alignment=True),
                                                    sm90, mode0())),
             batches=len(list(mode0())))
+    jit = found["store_checkpoints_kernel"]
+    report["sm90_resources"] = {
+        f"{kind} {'corrections' if corr else 'serial'}": sm90_resources(
+            jit, checkpoint_launch_at(kind, H, HV, K, V, corr))
+        for kind, H, HV, K, V in MODEL_GEOMETRIES for corr in (False, True)}
     json.dump(report, sys.stdout)
 
 

@@ -22,8 +22,9 @@ TARGETS = [(0, 64), (0, 80), (0, 256), (0, 272), (0, 300), (1, 48), (1, 64), (2,
 FLA_TOL = 5e-3
 
 
+@pytest.mark.parametrize("advance", ["corrections", "serial"])
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_fla_boundary_states_and_checkpoints(kda):
+def test_fla_boundary_states_and_checkpoints(kda, advance):
     inp = make_inputs(LENS, kda, H=2, HV=4, K=64, V=64, seed=8)
     args = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu)
     ref = gated_delta_chunk_forward(*args, initial_state=inp.h0, backend="torch")
@@ -32,12 +33,15 @@ def test_fla_boundary_states_and_checkpoints(kda):
     assert rel_err(fla.output, ref.output) <= FLA_TOL
     assert rel_err(fla.final_state, ref.final_state) <= FLA_TOL
     assert rel_err(fla.chunk_states.float(), ref.chunk_states) <= FLA_TOL
+    assert rel_err(fla.corrections.float(), ref.corrections) <= FLA_TOL
+    rule = (dict(corrections=fla.corrections) if advance == "corrections"
+            else dict(v=inp.v, beta=inp.beta))
     pool = torch.full((len(TARGETS), 4, 64, 64), float("nan"), device="cuda")
     writes = CheckpointWrites.from_lists([r for r, _ in TARGETS], [p for _, p in TARGETS],
                                          list(range(len(TARGETS))), row_lengths=LENS, device="cuda")
     store_interior_checkpoints(writes, inp.cu, state_pool=pool, chunk_states=fla.chunk_states,
-                               final_state=fla.final_state, k=fla.k, v=inp.v, g=inp.g,
-                               beta=inp.beta, chunk_offsets=fla.chunk_offsets, backend="triton")
+                               final_state=fla.final_state, k=fla.k, g=inp.g,
+                               chunk_offsets=fla.chunk_offsets, backend="triton", **rule)
     for s, (r, p) in enumerate(TARGETS):
         a = int(inp.cu[r])
         sl = slice(a, a + p)

@@ -8,8 +8,10 @@ F = torch.nn.functional
 
 from atom_hybrid_cache.kernels.conv_window import (causal_conv1d, causal_conv1d_varlen,  # noqa: E402
                                                    conv_window_at)
-from atom_hybrid_cache.kernels.gated_delta_ref import (advance_state, chunk_gated_delta_rule,  # noqa: E402
-                                                       chunk_offsets, gated_delta_rule_varlen,
+from atom_hybrid_cache.kernels.gated_delta_ref import (advance_state,  # noqa: E402
+                                                       advance_state_with_corrections,
+                                                       chunk_gated_delta_rule, chunk_offsets,
+                                                       gated_delta_rule_varlen,
                                                        recurrent_gated_delta_rule)
 
 from kernel_testlib import rel_err  # noqa: E402
@@ -46,6 +48,28 @@ def test_chunked_equals_recurrent_with_boundary_states(kda):
     # S_64 is the state after 64 tokens, i.e. advance_state from S_0
     s64 = advance_state(h0, k[:64], v[:64], g[:64], beta[:64])
     assert rel_err(chk.chunk_states[1], s64) < TOL
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_corrections_are_what_each_token_writes(kda):
+    """Both forms report the same corrections u_t, and the state after r
+    tokens of a chunk, taken from them in one sum, is the token-by-token
+    state; from the chunked form's own corrections it is bit for bit the
+    state a chunked run stopped there ends with."""
+    q, k, v, g, beta, h0 = _inputs(150, kda, HV=4, H=2)
+    rec = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0)
+    chk = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0)
+    assert chk.corrections.shape == (150, 4, 8)
+    assert rel_err(chk.corrections, rec.corrections) < TOL
+    for p in (1, 17, 63, 65, 100, 149):
+        c = p // 64 * 64
+        s = slice(c, p)
+        summed = advance_state_with_corrections(chk.chunk_states[c // 64], k[s],
+                                                chk.corrections[s], g[s])
+        stepped = advance_state(chk.chunk_states[c // 64], k[s], v[s], g[s], beta[s])
+        stop = chunk_gated_delta_rule(q[:p], k[:p], v[:p], g[:p], beta[:p], initial_state=h0)
+        assert rel_err(summed, stepped) < TOL, p
+        assert torch.equal(summed, stop.final_state), p
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])

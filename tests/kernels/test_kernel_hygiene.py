@@ -53,3 +53,15 @@ def test_a_constexpr_count_would_compile_one_variant_per_batch(report):
         assert c["specialized_count"] > 1, (name, c)
     # token tensors sliced past the decode tokens: alignment keys differ
     assert report["counter_examples"]["merge_attn_states_kernel"]["specialized_alignment"] > 1
+
+
+def test_the_checkpoint_kernel_does_not_spill_at_model_geometry(report):
+    """sm90 build at Qwen3-Next / Kimi-Linear head sizes (128 x 128). With 4
+    warps the KDA product path took 255 registers and a 128-byte stack;
+    `checkpoint_launch` gives it 8."""
+    res = report["sm90_resources"]
+    if any(r is None for r in res.values()):
+        pytest.skip("this Triton ships no cuobjdump")
+    assert set(res) == {"gdn serial", "gdn corrections", "kda serial", "kda corrections"}
+    for mode, r in res.items():
+        assert r["stack"] == 0 and r["registers"] <= 255, (mode, r)

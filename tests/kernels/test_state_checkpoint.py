@@ -41,6 +41,31 @@ test_state_checkpoint.py`), for the extraction bugs.
 19  capability: any readable state class is enough     test_capability_gates.py::test_readable_only_when_every_state_class_is -
 20  interior targets: a target at the row's end left   test_capability_gates.py::test_the_gates_derive_from_one_value       -
     out (capability)
+
+The advance from the forward's corrections (one product instead of a step
+per token), mutated the same way; "here" counts this file's failures, and
+the first failure is test_every_target_equals_a_run_stopped_there with the
+given id (it runs both advances, so the serial tests above still pass):
+
+ #  bug (file)                                         first failing id                    here
+21  GDN: cumsum made exclusive, each token's own       [triton-gdn-fp32-corrections]          3
+    decay left out (state_checkpoint, kernel)
+22  KDA: the same, per key dimension                   [triton-kda-fp32-corrections]          3
+23  GDN: boundary state not decayed                    [triton-gdn-fp32-corrections]          3
+24  KDA: boundary state not decayed                    [triton-kda-fp32-corrections]          3
+25  one token too many (mask o_t <= n)                 [triton-gdn-fp32-corrections]          8
+26  corrections read at the key head, not the value    [triton-gdn-fp32-corrections]          6
+    head
+27  row offset dropped: corrections and k read from    [triton-gdn-fp32-corrections]          6
+    the batch start
+28  KDA: the writes decayed with dimension 0's gate    [triton-kda-fp32-corrections]          5
+    only
+29  torch: writes decayed to the chunk end, not to     [torch-gdn-fp32-corrections]           6
+    the target (gated_delta_ref)
+30  torch: old state decays one token short            [torch-gdn-fp32-corrections]           6
+    (gated_delta_ref)
+31  KDA product path on 4 warps (checkpoint_launch)    test_kernel_hygiene.py::test_the_checkpoint_kernel_does_not_spill_...
+                                                       (sm90 stack 128 bytes)
 """
 
 import pytest
@@ -76,7 +101,11 @@ def _on_grid_or_end(r, p):
     return p % CHUNK == 0 or p == LENS[r]
 
 
-def _extract(inp, backend, pool_dtype, *, state=True, conv=True, writes=None):
+ADVANCES = ["corrections", "serial"]
+
+
+def _extract(inp, backend, pool_dtype, *, state=True, conv=True, writes=None,
+             advance="corrections"):
     res = gated_delta_rule_varlen(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu,
                                   initial_state=inp.h0, chunk_size=CHUNK)
     HV, K, V = inp.v.shape[1], inp.k.shape[2], inp.v.shape[2]
@@ -89,19 +118,24 @@ def _extract(inp, backend, pool_dtype, *, state=True, conv=True, writes=None):
     kw = {}
     if state:
         kw.update(state_pool=pool, chunk_states=res.chunk_states, final_state=res.final_state,
-                  k=inp.k, v=inp.v, g=inp.g, beta=inp.beta, chunk_offsets=res.chunk_offsets)
+                  k=inp.k, g=inp.g, chunk_offsets=res.chunk_offsets)
+        if advance == "corrections":
+            kw.update(corrections=res.corrections)
+        else:
+            kw.update(v=inp.v, beta=inp.beta)
     if conv:
         kw.update(conv_pool=conv_pool, conv_x=inp.conv_x, conv_initial_windows=inp.conv_w0)
     store_interior_checkpoints(writes, inp.cu, chunk_size=CHUNK, backend=backend, **kw)
     return pool, conv_pool
 
 
+@pytest.mark.parametrize("advance", ADVANCES)
 @pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kda", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("backend", backends())
-def test_every_target_equals_a_run_stopped_there(backend, kda, pool_dtype):
+def test_every_target_equals_a_run_stopped_there(backend, kda, pool_dtype, advance):
     inp = make_inputs(LENS, kda, K=12, V=40, seed=3)
-    pool, conv_pool = _extract(inp, backend, pool_dtype)
+    pool, conv_pool = _extract(inp, backend, pool_dtype, advance=advance)
     for (r, p), s in zip(TARGETS, SLOTS):
         want = inp.stopped_state(r, p)
         got = pool[s].float()
@@ -159,6 +193,9 @@ def test_targets_are_checked_on_the_host():
     with pytest.raises(ValueError, match="needs chunk_states"):
         store_interior_checkpoints(writes, inp.cu, state_pool=torch.zeros(1, 2, 16, 8),
                                    final_state=inp.h0, k=inp.k, v=inp.v, g=inp.g, beta=inp.beta)
+    with pytest.raises(ValueError, match=r"needs v, beta \(or corrections\)"):
+        store_interior_checkpoints(writes, inp.cu, state_pool=torch.zeros(1, 2, 16, 8),
+                                   chunk_states=inp.h0, final_state=inp.h0, k=inp.k, g=inp.g)
 
 
 # -- resuming from a checkpoint ------------------------------------------------
@@ -167,7 +204,7 @@ RESUME_LENS = [200, 100]
 RESUME_TARGETS = [(0, 16), (0, 64), (0, 96), (0, 128), (0, 176), (0, 200), (1, 48), (1, 100)]
 
 
-def _layer_checkpoints(layer, backend, pool_dtype, seed):
+def _layer_checkpoints(layer, backend, pool_dtype, seed, advance="corrections"):
     gen = torch.Generator().manual_seed(seed)
     N = len(RESUME_LENS)
     x = torch.randn(sum(RESUME_LENS), layer.D, generator=gen).to(device())
@@ -180,10 +217,14 @@ def _layer_checkpoints(layer, backend, pool_dtype, seed):
     conv_pool = torch.zeros(len(slots), layer.D, layer.W - 1, dtype=pool_dtype, device=device())
     writes = CheckpointWrites.from_lists([r for r, _ in RESUME_TARGETS], [p for _, p in RESUME_TARGETS],
                                          slots, row_lengths=RESUME_LENS, device=device())
+    if advance == "corrections":
+        rule = dict(k=rule["k"], g=rule["g"], corrections=fwd.corrections)
+    else:
+        rule = dict(k=rule["k"], v=rule["v"], g=rule["g"], beta=rule["beta"])
     store_interior_checkpoints(writes, cu, state_pool=pool, chunk_states=fwd.chunk_states,
-                               final_state=fwd.final_state, k=rule["k"], v=rule["v"], g=rule["g"],
-                               beta=rule["beta"], chunk_offsets=fwd.chunk_offsets, chunk_size=CHUNK,
-                               conv_pool=conv_pool, conv_x=x, conv_initial_windows=w0, backend=backend)
+                               final_state=fwd.final_state, chunk_offsets=fwd.chunk_offsets,
+                               chunk_size=CHUNK, conv_pool=conv_pool, conv_x=x,
+                               conv_initial_windows=w0, backend=backend, **rule)
     return x, h0, w0, cu, out, pool, conv_pool
 
 
@@ -196,11 +237,13 @@ def _resume(layer, x, cu, r, p, state, window):
     return out
 
 
+@pytest.mark.parametrize("advance", ADVANCES)
 @pytest.mark.parametrize("kda", KINDS, ids=KIND_IDS)
 @pytest.mark.parametrize("backend", backends())
-def test_resuming_from_an_interior_checkpoint_reproduces_the_cold_run(backend, kda):
+def test_resuming_from_an_interior_checkpoint_reproduces_the_cold_run(backend, kda, advance):
     layer = TinyLayer(kda)
-    x, h0, w0, cu, cold, pool, conv_pool = _layer_checkpoints(layer, backend, torch.float32, seed=6)
+    x, h0, w0, cu, cold, pool, conv_pool = _layer_checkpoints(layer, backend, torch.float32, seed=6,
+                                                              advance=advance)
     for s, (r, p) in enumerate(RESUME_TARGETS):
         out = _resume(layer, x, cu, r, p, pool[s], conv_pool[s])
         if out is not None:
