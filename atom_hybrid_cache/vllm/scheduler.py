@@ -42,6 +42,9 @@ logger = logging.getLogger("atom_hybrid_cache")
 
 # How far down (in state pages) a fallback state is looked for on release.
 STATE_SEARCH_PAGES = 64
+# Steps after its prefill is scheduled to the end in which a request looks
+# for its prompt-end state (vLLM indexes it when the chunk is scheduled).
+ANCHOR_PICKUP_STEPS = 4
 
 
 class AtomSchedulerMixin:
@@ -82,6 +85,10 @@ class AtomSchedulerMixin:
                         "through %s", CONNECTOR_NAME)
         self._atom_hits_first = env_cfg.admission_order == "hits-first"
         self._atom_passed_over: dict = {}
+        # rid -> (prompt end, pages): the prompt-end state each live request
+        # holds (see _hold_prompt_end_states); rid -> tries left
+        self._atom_anchors: dict = {}
+        self._atom_anchor_pending: dict = {}
         self._atom_state_groups = state_groups
         self._atom_kv_groups = [g for g, m in enumerate(managers)
                                 if not isinstance(m.kv_cache_spec, MambaSpec)]
@@ -140,7 +147,10 @@ class AtomSchedulerMixin:
                 planner.plan(rid, request.num_prompt_tokens, request.block_hashes, hit=start,
                              compressed=max(start, self._kv_prefix_tokens(
                                  request, num_new_local_computed_tokens)))
-        return planner.chunk_stop(rid, start, start + n) - start
+        end = planner.chunk_stop(rid, start, start + n)
+        if end >= request.num_prompt_tokens and planner.reuse_aware:
+            self._atom_anchor_pending[rid] = ANCHOR_PICKUP_STEPS
+        return end - start
 
     def _order_waiting(self) -> None:
         """Waiting requests that resume on a cached prefix go ahead of those
@@ -193,7 +203,42 @@ class AtomSchedulerMixin:
             for new in out.scheduled_new_reqs:
                 planner.admitted(new.req_id, new.num_computed_tokens)
                 self._atom_passed_over.pop(new.req_id, None)
+            if self._atom_anchor_pending:
+                self._hold_prompt_end_states()
         return out
+
+    def _hold_prompt_end_states(self) -> None:
+        """Each request whose prefill is scheduled to its end takes a
+        reference on its prompt-end state: the anchor its next turn resumes
+        on. Why: vLLM keeps that state in a page of its own and gives the
+        page back to the LRU two steps later, while the request still
+        decodes; under pressure the pages freed by other requests' releases
+        then leave after it, and a long decode (or a long prompt's many
+        steps) saw it evicted before its own release. Without it the next
+        turn resumes at the KV's end minus everything: measured on 60
+        traces at c8, runs of consecutive turns of one conversation resumed
+        at 0 (each turn's own anchor was lost the same way). Held, the page
+        leaves at the release, in its unit (see _free_request_blocks)."""
+        pending = self._atom_anchor_pending
+        pool = self.kv_cache_manager.block_pool
+        H = self.hash_block_size
+        for rid in list(pending):
+            request = self.requests.get(rid)
+            if request is None or rid in self._atom_anchors:
+                del pending[rid]
+                continue
+            if request.num_computed_tokens < request.num_prompt_tokens:
+                continue   # preempted and waiting again: its next prefill re-arms it
+            prompt_end = (request.num_prompt_tokens - 1) // H * H
+            found = self._highest_state_at_or_below(request, prompt_end, max_pages=0)
+            if found:
+                pool.touch(found[0][1])
+                self._atom_anchors[rid] = found[0]
+                del pending[rid]
+            elif pending[rid] <= 1:
+                del pending[rid]   # no state at the prompt's end (a short prompt)
+            else:
+                pending[rid] -= 1
 
     # -- release ---------------------------------------------------------
     def _free_request_blocks(self, request) -> None:
@@ -202,6 +247,8 @@ class AtomSchedulerMixin:
             return super()._free_request_blocks(request)
         rid = request.request_id
         self._atom_passed_over.pop(rid, None)
+        self._atom_anchor_pending.pop(rid, None)
+        anchor = self._atom_anchors.pop(rid, None)
         H = self.hash_block_size
         prefix = request.block_hashes[:request.num_computed_tokens // H]
         if not planner.reuse_aware:
@@ -234,12 +281,24 @@ class AtomSchedulerMixin:
                         kept.append(pos)
                 else:
                     states.append(FreedState(b, 0, False))
+        if anchor is not None:
+            # the prompt-end state this request held: our reference goes
+            # back with the request's pages, in its unit
+            pos, pages = anchor
+            for b in pages:
+                if b.block_id in held:   # also still in the block table
+                    pool.free_blocks([b])   # ours only: vLLM's reference stays
+                else:
+                    held.add(b.block_id)
+                    states.append(FreedState(b, pos, True))
+            if pos not in kept:
+                kept.append(pos)
         states += self._refreshed_states(request, held)
         # vLLM keeps the prompt-end state in a page of its own (a copy of
-        # the state at the prefill's last hash boundary, given back to the
-        # LRU once the copy ran), not in the block table: count it here
+        # the state at the prefill's last hash boundary), not in the block
+        # table: count it here when this request did not hold it
         prompt_end = (request.num_prompt_tokens - 1) // H * H
-        if prompt_end not in kept and self._highest_state_at_or_below(
+        if anchor is None and prompt_end not in kept and self._highest_state_at_or_below(
                 request, prompt_end, max_pages=0):
             kept.append(prompt_end)
         order = nulls + planner.eviction_order(states, kv)

@@ -40,6 +40,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -220,23 +221,36 @@ def _metrics_when(url: str, name: str, want: float, timeout_s: float = 15.0) -> 
         time.sleep(0.5)
 
 
+def _long_prompt() -> str:
+    rng = random.Random(0)
+    return words(rng.randrange(NUM_WORDS) for _ in range(PROMPT_LEN))
+
+
+@contextmanager
+def _serving(name: str, model: Path, env: dict[str, str], log_path: Path, extra_args: tuple = ()):
+    """A healthy `vllm serve` on a free port: yields (process, URL); the
+    whole process group is stopped on the way out, and must be gone."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.monotonic()
+    proc = _start_serve(model, port, env, log_path, extra_args)
+    try:
+        print(f"{name}: healthy after {_wait_healthy(proc, url, log_path):.1f} s")
+        yield proc, url
+    finally:
+        _stop_group(proc)
+        print(f"{name}: {time.monotonic() - t0:.1f} s including shutdown")
+    assert not _group_members(proc.pid), "server processes left behind"
+
+
 # -- 3. serve with the plugin caches the second answer ---------------------
 
 @pytest.mark.slow
 def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_env, tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
-    rng = random.Random(0)
-    prompt = words(rng.randrange(NUM_WORDS) for _ in range(PROMPT_LEN))
-
-    t0 = time.monotonic()
-    proc = _start_serve(tiny_model_path, port,
-                        _serve_env(vllm_cpu_env, ATOM_STATS_LOG_INTERVAL="1"), log_path)
-    try:
-        healthy_s = _wait_healthy(proc, url, log_path)
-        print(f"vllm serve healthy after {healthy_s:.1f} s")
-
+    prompt = _long_prompt()
+    env = _serve_env(vllm_cpu_env, ATOM_STATS_LOG_INTERVAL="1")
+    with _serving("vllm serve", tiny_model_path, env, log_path) as (proc, url):
         first = _complete(url, prompt)
         second = _complete(url, prompt)
         assert first["usage"]["prompt_tokens"] == PROMPT_LEN, first["usage"]
@@ -275,10 +289,6 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         stats = re.findall(r"\[Cache Stats\] admissions=(\d+) reusable=(\d+) cached=(\d+)", log)
         assert ("2", "576", "576") in stats, (stats, _tail(log_path))
         assert "[Cache Pools]" in log and "[Checkpoint Fates]" in log
-    finally:
-        _stop_group(proc)
-        print(f"serve test: {time.monotonic() - t0:.1f} s including shutdown")
-    assert not _group_members(proc.pid), "server processes left behind"
 
 
 # -- our counters on /metrics, through the stats connector -----------------
@@ -289,18 +299,10 @@ STATS_CONNECTOR_ARGS = ("--kv-transfer-config",
 
 @pytest.mark.slow
 def test_serve_exports_the_cache_counters_on_metrics(tiny_model_path, vllm_cpu_env, tmp_path):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "serve.log"
-    rng = random.Random(0)
-    prompt = words(rng.randrange(NUM_WORDS) for _ in range(PROMPT_LEN))
-
-    t0 = time.monotonic()
-    proc = _start_serve(tiny_model_path, port, _serve_env(vllm_cpu_env), log_path,
-                        STATS_CONNECTOR_ARGS)
-    try:
-        healthy_s = _wait_healthy(proc, url, log_path)
-        print(f"vllm serve with the stats connector healthy after {healthy_s:.1f} s")
+    prompt = _long_prompt()
+    with _serving("vllm serve with the stats connector", tiny_model_path,
+                  _serve_env(vllm_cpu_env), log_path, STATS_CONNECTOR_ARGS) as (proc, url):
         first = _complete(url, prompt)
         second = _complete(url, prompt)
         # the connector moves no KV: the same hits as without it
@@ -331,10 +333,6 @@ def test_serve_exports_the_cache_counters_on_metrics(tiny_model_path, vllm_cpu_e
         # vLLM keeps the hybrid KV cache manager on (the connector declares
         # SupportsHMA), or the plugin's state groups would not exist
         assert SCHEDULER_LINE in log, _tail(log_path)
-    finally:
-        _stop_group(proc)
-        print(f"stats connector serve test: {time.monotonic() - t0:.1f} s including shutdown")
-    assert not _group_members(proc.pid), "server processes left behind"
 
 
 # -- 6. bad settings stop start-up, naming the variable --------------------
