@@ -36,7 +36,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import SERVER_STATS_LOG_INTERVAL, CacheConfig, apply_env
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
-from .state_manager import AtomStateManager
+from .state_manager import AtomStateManager, prefix_index_key_suffix
 
 logger = logging.getLogger("atom_hybrid_cache")
 
@@ -340,12 +340,17 @@ class AtomSchedulerMixin:
         H = self.hash_block_size
         groups = self._atom_state_groups
         step = self._atom.block_size
+        # one dict membership rules most positions out before vLLM's lookup
+        # (as in AtomStateManager.find_longest_cache_hit)
+        suffix = prefix_index_key_suffix(pool, groups[0])
+        index = pool.cached_block_hash_to_block._cache if suffix is not None else None
         pos = top  # the resume point itself may be sub-page; then page by page
         for _ in range(max_pages + 1):
             if pos <= 0:
                 break
             i = pos // H - 1
-            if pos % H == 0 and i < len(hashes):
+            if pos % H == 0 and i < len(hashes) and (
+                    index is None or hashes[i] + suffix in index):
                 hit = pool.get_cached_block(hashes[i], groups)
                 if hit is not None and all(b.block_hash_num_tokens == pos for b in hit):
                     return [(pos, hit)]

@@ -37,7 +37,7 @@ def _key_suffix(group_id: int) -> Optional[bytes]:
     return suffix
 
 
-def _index_key_suffix(block_pool, group_id: int) -> Optional[bytes]:
+def prefix_index_key_suffix(block_pool, group_id: int) -> Optional[bytes]:
     """`_key_suffix`, or None where the pool's prefix index is not the
     plain dict it reads (then the lookup takes vLLM's own path)."""
     if not isinstance(getattr(block_pool.cached_block_hash_to_block, "_cache", None), dict):
@@ -67,7 +67,7 @@ class AtomStateManager(MambaManager):
         group as one dict membership; vLLM confirms the candidate."""
         B = kv_cache_spec.block_size
         fine = alignment_tokens < B and B % alignment_tokens == 0
-        suffix = _index_key_suffix(block_pool, kv_cache_group_ids[0]) if fine else None
+        suffix = prefix_index_key_suffix(block_pool, kv_cache_group_ids[0]) if fine else None
         if suffix is None or not isinstance(block_hashes, Sequence):
             return super().find_longest_cache_hit(
                 block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
