@@ -208,17 +208,17 @@ class AtomSchedulerMixin:
         return out
 
     def _hold_prompt_end_states(self) -> None:
-        """Each request whose prefill is scheduled to its end takes a
-        reference on its prompt-end state: the anchor its next turn resumes
-        on. Why: vLLM keeps that state in a page of its own and gives the
-        page back to the LRU two steps later, while the request still
-        decodes; under pressure the pages freed by other requests' releases
-        then leave after it, and a long decode (or a long prompt's many
-        steps) saw it evicted before its own release. Without it the next
-        turn resumes at the KV's end minus everything: measured on 60
-        traces at c8, runs of consecutive turns of one conversation resumed
-        at 0 (each turn's own anchor was lost the same way). Held, the page
-        leaves at the release, in its unit (see _free_request_blocks)."""
+        """A request whose prefill was scheduled to its end takes a
+        reference on its prompt-end state, the anchor its next turn resumes
+        on, and keeps it until its release (see _free_request_blocks).
+
+        Why: vLLM keeps that state in a page of its own and gives the page
+        back to the LRU two steps later, while the request still decodes.
+        Under pressure it was evicted there, before the request's release,
+        and the next turn could resume only where an older state survived.
+        On 60 traces at c8 / 80 GiB that was 0 for runs of consecutive turns
+        of long conversations: each turn computed from 0 and lost its own
+        anchor the same way."""
         pending = self._atom_anchor_pending
         pool = self.kv_cache_manager.block_pool
         H = self.hash_block_size
@@ -228,7 +228,7 @@ class AtomSchedulerMixin:
                 del pending[rid]
                 continue
             if request.num_computed_tokens < request.num_prompt_tokens:
-                continue   # preempted and waiting again: its next prefill re-arms it
+                continue   # its last chunk was not scheduled after all
             prompt_end = (request.num_prompt_tokens - 1) // H * H
             found = self._highest_state_at_or_below(request, prompt_end, max_pages=0)
             if found:
