@@ -121,23 +121,15 @@ def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int,
     def keep_h():
         return gated_delta_chunk_forward(q, k, v, g, beta, cu, initial_state=h0, backend="fla")
 
-    def extract(f=fwd):
+    def extract(f=fwd, serial=False):
+        advance = dict(v=v, beta=beta) if serial else dict(corrections=f.corrections)
         store_interior_checkpoints(writes, cu, state_pool=pool, chunk_states=f.chunk_states,
                                    final_state=f.final_state, k=f.k, g=g,
-                                   corrections=f.corrections, chunk_offsets=f.chunk_offsets,
-                                   conv_pool=conv_pool, conv_x=conv_x, backend="triton")
-
-    def extract_serial(f=fwd):
-        store_interior_checkpoints(writes, cu, state_pool=pool, chunk_states=f.chunk_states,
-                                   final_state=f.final_state, k=f.k, v=v, g=g, beta=beta,
                                    chunk_offsets=f.chunk_offsets, conv_pool=conv_pool,
-                                   conv_x=conv_x, backend="triton")
+                                   conv_x=conv_x, backend="triton", **advance)
 
-    def keep_h_ckpt():
-        extract(keep_h())
-
-    def keep_h_ckpt_serial():
-        extract_serial(keep_h())
+    def keep_h_ckpt(serial=False):
+        extract(keep_h(), serial)
 
     cuts = [0, *positions, row_tokens]
 
@@ -151,12 +143,12 @@ def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int,
                                               initial_state=state, backend="fla").final_state
 
     variants = {"fla": plain, "keep-h": keep_h, "keep-h+ckpt": keep_h_ckpt, "ckpt": extract,
-                "ckpt-serial": extract_serial}
+                "ckpt-serial": lambda: extract(serial=True)}
     if with_cut:
         variants["cut"] = cut
     out = _time_interleaved_ms(variants)
-    for key, fn in (("", keep_h_ckpt), ("serial_", keep_h_ckpt_serial)):
-        kernels = _device_us_by_kernel(fn)
+    for key, serial in (("", False), ("serial_", True)):
+        kernels = _device_us_by_kernel(lambda: keep_h_ckpt(serial))
         ckpt_us = sum(us for name, us in kernels.items() if "store_checkpoints" in name)
         forward_us = sum(kernels.values()) - ckpt_us
         out.update({f"{key}ckpt_device_us": ckpt_us, f"{key}forward_device_us": forward_us,

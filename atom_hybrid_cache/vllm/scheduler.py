@@ -42,9 +42,6 @@ logger = logging.getLogger("atom_hybrid_cache")
 
 # How far down (in state pages) a fallback state is looked for on release.
 STATE_SEARCH_PAGES = 64
-# Steps after its prefill is scheduled to the end in which a request looks
-# for its prompt-end state (vLLM indexes it when the chunk is scheduled).
-ANCHOR_PICKUP_STEPS = 4
 
 
 class AtomSchedulerMixin:
@@ -86,9 +83,10 @@ class AtomSchedulerMixin:
         self._atom_hits_first = env_cfg.admission_order == "hits-first"
         self._atom_passed_over: dict = {}
         # rid -> (prompt end, pages): the prompt-end state each live request
-        # holds (see _hold_prompt_end_states); rid -> tries left
+        # holds; the requests whose last prefill chunk is being scheduled
+        # (see _hold_prompt_end_states)
         self._atom_anchors: dict = {}
-        self._atom_anchor_pending: dict = {}
+        self._atom_anchor_pending: set = set()
         self._atom_state_groups = state_groups
         self._atom_kv_groups = [g for g, m in enumerate(managers)
                                 if not isinstance(m.kv_cache_spec, MambaSpec)]
@@ -149,7 +147,7 @@ class AtomSchedulerMixin:
                                  request, num_new_local_computed_tokens)))
         end = planner.chunk_stop(rid, start, start + n)
         if end >= request.num_prompt_tokens and planner.reuse_aware:
-            self._atom_anchor_pending[rid] = ANCHOR_PICKUP_STEPS
+            self._atom_anchor_pending.add(rid)
         return end - start
 
     def _order_waiting(self) -> None:
@@ -221,24 +219,26 @@ class AtomSchedulerMixin:
         anchor the same way."""
         pending = self._atom_anchor_pending
         pool = self.kv_cache_manager.block_pool
-        H = self.hash_block_size
         for rid in list(pending):
             request = self.requests.get(rid)
+            if request is not None and request.num_computed_tokens < request.num_prompt_tokens:
+                continue   # not admitted this step: asked again when it is
+            pending.discard(rid)
             if request is None or rid in self._atom_anchors:
-                del pending[rid]
                 continue
-            if request.num_computed_tokens < request.num_prompt_tokens:
-                continue   # its last chunk was not scheduled after all
-            prompt_end = (request.num_prompt_tokens - 1) // H * H
-            found = self._highest_state_at_or_below(request, prompt_end, max_pages=0)
+            # vLLM indexed it when it scheduled the chunk; a prompt under one
+            # hash unit has none
+            found = self._highest_state_at_or_below(request, self._prompt_end(request),
+                                                    max_pages=0)
             if found:
                 pool.touch(found[0][1])
                 self._atom_anchors[rid] = found[0]
-                del pending[rid]
-            elif pending[rid] <= 1:
-                del pending[rid]   # no state at the prompt's end (a short prompt)
-            else:
-                pending[rid] -= 1
+
+    def _prompt_end(self, request) -> int:
+        """Where vLLM keeps a prompt's end state: its last hash boundary
+        before the prompt's last token."""
+        H = self.hash_block_size
+        return (request.num_prompt_tokens - 1) // H * H
 
     # -- release ---------------------------------------------------------
     def _free_request_blocks(self, request) -> None:
@@ -247,7 +247,7 @@ class AtomSchedulerMixin:
             return super()._free_request_blocks(request)
         rid = request.request_id
         self._atom_passed_over.pop(rid, None)
-        self._atom_anchor_pending.pop(rid, None)
+        self._atom_anchor_pending.discard(rid)
         anchor = self._atom_anchors.pop(rid, None)
         H = self.hash_block_size
         prefix = request.block_hashes[:request.num_computed_tokens // H]
@@ -297,7 +297,7 @@ class AtomSchedulerMixin:
         # vLLM keeps the prompt-end state in a page of its own (a copy of
         # the state at the prefill's last hash boundary), not in the block
         # table: count it here when this request did not hold it
-        prompt_end = (request.num_prompt_tokens - 1) // H * H
+        prompt_end = self._prompt_end(request)
         if anchor is None and prompt_end not in kept and self._highest_state_at_or_below(
                 request, prompt_end, max_pages=0):
             kept.append(prompt_end)

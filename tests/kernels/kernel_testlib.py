@@ -37,6 +37,14 @@ def backends():
     return out
 
 
+def advance_inputs(advance: str, corrections, v, beta) -> dict:
+    """What store_interior_checkpoints advances an off-grid target from:
+    the forward's corrections (one product) or v and beta (token by token)."""
+    if advance == "corrections":
+        return dict(corrections=corrections)
+    return dict(v=v, beta=beta)
+
+
 def device():
     return "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -15,7 +15,7 @@ from atom_hybrid_cache.kernels.chunk_forward import gated_delta_chunk_forward  #
 from atom_hybrid_cache.kernels.state_checkpoint import (CheckpointWrites,  # noqa: E402
                                                         store_interior_checkpoints)
 
-from kernel_testlib import CHUNK, make_inputs, rel_err  # noqa: E402
+from kernel_testlib import CHUNK, advance_inputs, make_inputs, rel_err  # noqa: E402
 
 LENS = [300, 64, 130]
 TARGETS = [(0, 64), (0, 80), (0, 256), (0, 272), (0, 300), (1, 48), (1, 64), (2, 128), (2, 130)]
@@ -34,14 +34,13 @@ def test_fla_boundary_states_and_checkpoints(kda, advance):
     assert rel_err(fla.final_state, ref.final_state) <= FLA_TOL
     assert rel_err(fla.chunk_states.float(), ref.chunk_states) <= FLA_TOL
     assert rel_err(fla.corrections.float(), ref.corrections) <= FLA_TOL
-    rule = (dict(corrections=fla.corrections) if advance == "corrections"
-            else dict(v=inp.v, beta=inp.beta))
     pool = torch.full((len(TARGETS), 4, 64, 64), float("nan"), device="cuda")
     writes = CheckpointWrites.from_lists([r for r, _ in TARGETS], [p for _, p in TARGETS],
                                          list(range(len(TARGETS))), row_lengths=LENS, device="cuda")
     store_interior_checkpoints(writes, inp.cu, state_pool=pool, chunk_states=fla.chunk_states,
                                final_state=fla.final_state, k=fla.k, g=inp.g,
-                               chunk_offsets=fla.chunk_offsets, backend="triton", **rule)
+                               chunk_offsets=fla.chunk_offsets, backend="triton",
+                               **advance_inputs(advance, fla.corrections, inp.v, inp.beta))
     for s, (r, p) in enumerate(TARGETS):
         a = int(inp.cu[r])
         sl = slice(a, a + p)

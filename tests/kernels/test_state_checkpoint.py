@@ -77,7 +77,8 @@ from atom_hybrid_cache.kernels.gated_delta_ref import gated_delta_rule_varlen  #
 from atom_hybrid_cache.kernels.state_checkpoint import (CheckpointWrites,  # noqa: E402
                                                         store_interior_checkpoints)
 
-from kernel_testlib import CHUNK, TinyLayer, backends, cu_seqlens, device, make_inputs, rel_err  # noqa: E402
+from kernel_testlib import (CHUNK, TinyLayer, advance_inputs, backends, cu_seqlens,  # noqa: E402
+                            device, make_inputs, rel_err)
 
 TOL = 1e-5
 KINDS = [False, True]
@@ -118,11 +119,8 @@ def _extract(inp, backend, pool_dtype, *, state=True, conv=True, writes=None,
     kw = {}
     if state:
         kw.update(state_pool=pool, chunk_states=res.chunk_states, final_state=res.final_state,
-                  k=inp.k, g=inp.g, chunk_offsets=res.chunk_offsets)
-        if advance == "corrections":
-            kw.update(corrections=res.corrections)
-        else:
-            kw.update(v=inp.v, beta=inp.beta)
+                  k=inp.k, g=inp.g, chunk_offsets=res.chunk_offsets,
+                  **advance_inputs(advance, res.corrections, inp.v, inp.beta))
     if conv:
         kw.update(conv_pool=conv_pool, conv_x=inp.conv_x, conv_initial_windows=inp.conv_w0)
     store_interior_checkpoints(writes, inp.cu, chunk_size=CHUNK, backend=backend, **kw)
@@ -217,14 +215,12 @@ def _layer_checkpoints(layer, backend, pool_dtype, seed, advance="corrections"):
     conv_pool = torch.zeros(len(slots), layer.D, layer.W - 1, dtype=pool_dtype, device=device())
     writes = CheckpointWrites.from_lists([r for r, _ in RESUME_TARGETS], [p for _, p in RESUME_TARGETS],
                                          slots, row_lengths=RESUME_LENS, device=device())
-    if advance == "corrections":
-        rule = dict(k=rule["k"], g=rule["g"], corrections=fwd.corrections)
-    else:
-        rule = dict(k=rule["k"], v=rule["v"], g=rule["g"], beta=rule["beta"])
     store_interior_checkpoints(writes, cu, state_pool=pool, chunk_states=fwd.chunk_states,
-                               final_state=fwd.final_state, chunk_offsets=fwd.chunk_offsets,
-                               chunk_size=CHUNK, conv_pool=conv_pool, conv_x=x,
-                               conv_initial_windows=w0, backend=backend, **rule)
+                               final_state=fwd.final_state, k=rule["k"], g=rule["g"],
+                               chunk_offsets=fwd.chunk_offsets, chunk_size=CHUNK,
+                               conv_pool=conv_pool, conv_x=x, conv_initial_windows=w0,
+                               backend=backend,
+                               **advance_inputs(advance, fwd.corrections, rule["v"], rule["beta"]))
     return x, h0, w0, cu, out, pool, conv_pool
 
 

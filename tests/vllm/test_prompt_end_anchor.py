@@ -11,11 +11,7 @@ end and gives it back at the release, in the request's unit.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -23,18 +19,10 @@ pytest.importorskip("vllm")
 
 from atom_hybrid_cache.vllm.scheduler import AtomSchedulerMixin  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+from scheduler_bench_module import load_scheduler_bench  # noqa: E402
+
 PROMPT = 3000          # tokens; 46 hash units of 64, the last boundary at 2,944
 DECODE = 24            # output tokens: many steps after vLLM gives the page back
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("scheduler_bench",
-                                                  REPO / "benchmarks" / "scheduler_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("scheduler_bench", mod)
-    spec.loader.exec_module(mod)
-    return sys.modules["scheduler_bench"]
 
 
 @pytest.fixture
@@ -46,7 +34,7 @@ def serve(monkeypatch):
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    SB = _bench()
+    SB = load_scheduler_bench()
     spec_cls, sched_cls, register = SB.load_plugin()
     register()
     policy = SB.POLICIES["plugin"]
@@ -114,7 +102,7 @@ def test_the_prompt_end_state_is_held_while_the_request_decodes(serve):
     # released with the request: back in the LRU, still indexed
     _, after = _prompt_end_pages(sched, hashes, PROMPT)
     assert [(page, refs) for page, refs, _ in after] == [(page, 0) for page, _, _ in mid]
-    assert sched._atom_anchors == {} and sched._atom_anchor_pending == {}
+    assert sched._atom_anchors == {} and not sched._atom_anchor_pending
     # the next turn resends the prompt (and its answer) and resumes there
     submit("turn-2", prompt + [7] * DECODE + [11] * 500, 4)
     assert step() == {"turn-2": 2944}

@@ -13,8 +13,6 @@ same vLLM): re-measure with the command in ``_measure`` if vLLM changes.
 from __future__ import annotations
 
 import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -22,19 +20,9 @@ if importlib.util.find_spec("vllm") is None:  # cheap: no vLLM import at collect
     pytest.skip("vllm is not installed; run: bash scripts/setup_cpu_vllm.sh",
                 allow_module_level=True)
 
-REPO = Path(__file__).resolve().parents[2]
+from scheduler_bench_module import load_scheduler_bench  # noqa: E402
 
-
-def _load_bench():
-    spec = importlib.util.spec_from_file_location("scheduler_bench",
-                                                  REPO / "benchmarks" / "scheduler_bench.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("scheduler_bench", mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-SB = _load_bench()
+SB = load_scheduler_bench()
 
 POINT = dict(concurrency=2, memory_gib=2.5, max_model_len=32_768, max_output=32)
 
