@@ -10,6 +10,9 @@ caching keep when the KV pool cannot hold every live conversation?
 ``ATOM_ADMISSION_ORDER=hits-first``, ``plugin-interior`` adds
 ``ATOM_INTERIOR_CHECKPOINTS=on`` (checkpoints written inside prefill forwards
 instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
+``plugin-zeroed-states`` is the plugin with every GDN state page zeroed
+between rounds: the sabotage that shows what a wrong resumed state does to
+the output checks.
 They run last in each budget, since vLLM loads plugins once per process.
 
 Workload
@@ -35,6 +38,21 @@ Workload
   (that request and the rest are skipped). ``--max-requests`` caps requests
   per conversation. The oracle is computed on the prompts actually sent, so
   the rule changes realism, not the correctness of the comparison.
+* SCALE rule (``--tokens-per-id N``, with ``--max-prompt 0``: no elision, no
+  cap): every 64-token trace id expands to N tokens, and a request's tail of
+  ``in % 64`` tokens to ``tail * N // 64`` (``TokenExpander.prompt_tokens``).
+  Prompts shrink by 64 / N, while which request shares which prefix with
+  which, up to which id, and how conversations grow stay exactly as
+  recorded. ``--traces-fitting 64000`` picks the plan's workload, the 14
+  traces whose prompts all fit in 64k tokens; at N = 8 their prompts are
+  at most 7,978 tokens and the whole run, caching off, is 950,932 prompt
+  tokens: about two minutes of prefill here. Where ELIDE makes every round
+  of a conversation as long as its cap (so the working set sits at its peak
+  the whole time), SCALE keeps the traces' growth: early turns are short,
+  and the peak is reached only when the longest conversations meet. One
+  caveat: the plugin's settings in tokens (``insure_recompute_tokens``
+  16,384, the 4,096-token fallback grid) are not scaled, so they act at 8x
+  the real length here.
 * Lock-step rounds: ``--in-flight`` slots (default 4); each ``generate`` call
   sends the next request of every active conversation (one prompt per slot);
   when a conversation has sent its last request, its slot takes the next
@@ -100,6 +118,11 @@ oracle until 2026-11-29; on the default workload it equals ``oracle``.
 ``same_as_off`` = every greedy output token equals the ``off`` run's (the
 ``off`` run is always done first when any other policy is asked for).
 
+``outputs_differing`` = how many greedy outputs differ from the ``off`` run's,
+and ``differing_max_off_margin`` the largest top-2 margin (logprob of the
+chosen token minus the runner-up's) the ``off`` run had on them: a flip on a
+near-tie is rounding; a flip where ``off`` was decisive is a wrong state.
+
 ``max_logprob_gap`` = the largest |logprob of the output token - the ``off``
 run's| over the prompts. The tiny model's GDN state fades over a few hundred
 tokens (see ``tests/e2e/tiny_model.py``), so a resume from a wrong state
@@ -109,7 +132,10 @@ numerical noise of another chunking (~0.03).
 
 Policies
 --------
-``off`` (``enable_prefix_caching=False``), ``native`` (vLLM default: align mode,
+``off`` (``enable_prefix_caching=False``), ``off-rechunked`` (caching off with
+1,024-token prefill steps instead of 2,048: its differences from ``off`` are
+another chunking's rounding alone, the noise floor the output checks are read
+against; run once, like ``off``), ``native`` (vLLM default: align mode,
 ``prefix_cache_retention_interval=0``, hash unit = block), ``native-pmu64``
 (``prefix_match_unit=64``: hits may land on 64-token boundaries inside a 128
 block), ``native-dense`` (``prefix_cache_retention_interval=None``: "None
@@ -128,6 +154,9 @@ Usage::
     python3 benchmarks/e2e_pressure.py                       # small default run
     python3 benchmarks/e2e_pressure.py --traces trace_0556 trace_0732 \\
         --max-prompt 4000 --in-flight 4 --pool-multiples 1.25,1.0,0.83 --json out.json
+    # the plan's 14 traces at full growth, scaled to 8 tokens per trace id
+    python3 benchmarks/e2e_pressure.py --traces-fitting 64000 --tokens-per-id 8 \
+        --max-prompt 0 --geometry small-block --json out.json
 """
 
 from __future__ import annotations
@@ -147,8 +176,14 @@ DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 # Small default: short traces whose first requests survive the elide rule
 # (several turns each at 2000 tokens), so the run fits a 2-core machine.
 DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
-PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-interior", "plugin-interior-hits-first"]
-POLICIES = ["off", "native", "native-pmu64", "native-dense", "attention-control", *PLUGIN_POLICIES]
+PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-interior", "plugin-interior-hits-first",
+                   "plugin-zeroed-states"]
+POLICIES = ["off", "off-rechunked", "native", "native-pmu64", "native-dense", "attention-control",
+            *PLUGIN_POLICIES]
+# off-rechunked: caching off with half the prefill chunk. Its outputs differ
+# from off's only by another chunking's rounding: the noise floor that
+# "equal to the caching-off run" is read against.
+RECHUNKED_BATCHED_TOKENS = 1024
 TINY_VOCAB_WORDS = 4000            # ids map to 1..4000 (< tiny_model.NUM_WORDS)
 MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache group each)
 MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
@@ -199,9 +234,12 @@ def resolve_trace_paths(names: list[str] | None, trace_dir: Path = DEFAULT_TRACE
 
 
 def build_workload(trace_paths: list[Path], max_prompt: int, head: int = 256,
-                   max_requests: int | None = None) -> list[dict[str, Any]]:
+                   max_requests: int | None = None,
+                   tokens_per_id: int | None = None) -> list[dict[str, Any]]:
     """Conversations as ``{"id", "prompts": [[tiny token ids], ...]}`` (ELIDE rule,
-    see the module docstring). Conversations left with no request are dropped."""
+    see the module docstring; ``max_prompt=0``: no elision, no cap). With
+    ``tokens_per_id`` every request is first scaled down (SCALE rule).
+    Conversations left with no request are dropped."""
     from atom_hybrid_cache.replay.traces import TokenExpander, load_traces
 
     exp = TokenExpander()
@@ -211,15 +249,18 @@ def build_workload(trace_paths: list[Path], max_prompt: int, head: int = 256,
             reqs = conv.requests
             if not reqs:
                 continue
-            keep_first = max(max_prompt // 4, head + 1)
-            drop = max(0, reqs[0].prompt_len - keep_first)
+            if max_prompt:
+                keep_first = max(max_prompt // 4, head + 1)
+                drop = max(0, reqs[0].prompt_len - keep_first)
+            else:
+                drop = 0
             prompts = []
             for i, r in enumerate(reqs):
                 if max_requests is not None and i >= max_requests:
                     break
-                if r.prompt_len - drop > max_prompt:
+                if max_prompt and r.prompt_len - drop > max_prompt:
                     break
-                full = exp.prompt_tokens(conv, i)
+                full = exp.prompt_tokens(conv, i, tokens_per_id)
                 toks = full[:head] + full[head + drop:]
                 if len(toks) < 2:
                     break
@@ -228,6 +269,15 @@ def build_workload(trace_paths: list[Path], max_prompt: int, head: int = 256,
                 convs.append({"id": conv.conversation_id, "prompts": prompts})
             exp.forget_space(conv.space_id)
     return convs
+
+
+def traces_fitting(limit: int, trace_dir: Path = DEFAULT_TRACE_DIR) -> list[Path]:
+    """The trace files of `trace_dir` whose every prompt is shorter than
+    `limit` tokens (at full length), in name order."""
+    from atom_hybrid_cache.replay.traces import load_traces
+
+    return [p for p in sorted(trace_dir.glob("*.json"))
+            if all(r.prompt_len < limit for c in load_traces(p) for r in c.requests)]
 
 
 def lockstep_rounds(convs: list[dict[str, Any]], in_flight: int) -> list[list[tuple[int, int]]]:
@@ -311,6 +361,8 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     fine_unit = {"prefix_match_unit": 64} if block_size > 64 else {}
     if policy == "off":
         return {"enable_prefix_caching": False}
+    if policy == "off-rechunked":
+        return {"enable_prefix_caching": False, "max_num_batched_tokens": RECHUNKED_BATCHED_TOKENS}
     if policy in ("native", "attention-control"):
         return {}
     if policy == "native-pmu64":
@@ -353,12 +405,16 @@ def _tiny_model():
     return tiny_model
 
 
-def model_for(policy: str, geometry: str = "default") -> Path:
-    build_tiny_qwen3_next = _tiny_model().build_tiny_qwen3_next
+def model_for(policy: str, geometry: str = "default", max_model_len: int = 0) -> Path:
+    tiny = _tiny_model()
     overrides = dict(GEOMETRIES[geometry]["model_overrides"])
+    if max_model_len > tiny.TINY_CONFIG["max_position_embeddings"]:
+        # longer prompts (SCALE rule) need more RoPE positions; the weights
+        # do not depend on it, shorter workloads keep the CI model
+        overrides["max_position_embeddings"] = max_model_len
     if policy.startswith("attention-control"):
         overrides.update(ATTENTION_CONTROL_OVERRIDES)
-    return build_tiny_qwen3_next(config_overrides=overrides or None)
+    return tiny.build_tiny_qwen3_next(config_overrides=overrides or None)
 
 
 def make_llm(model: Path, num_blocks: int, max_model_len: int, **extra):
@@ -384,13 +440,16 @@ def shutdown(llm) -> None:
         pass
 
 
-def replay(llm, convs, rounds, after_round=None) -> tuple[list[int], list[list[int]], list[float]]:
+def replay(llm, convs, rounds, after_round=None,
+           margins: Optional[list] = None) -> tuple[list[int], list[list[int]], list[float]]:
     """(num_cached_tokens, output token ids, logprob of the output token) per
-    prompt, in send order. `after_round(llm)` runs after each generate call."""
+    prompt, in send order. `after_round(llm)` runs after each generate call.
+    `margins`, when given, gets each output's logprob minus the runner-up's:
+    how near a tie the greedy choice was."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0)
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0 if margins is None else 2)
     cached, outs, logprobs = [], [], []
     for rnd in rounds:
         prompts = [TokensPrompt(prompt_token_ids=convs[c]["prompts"][i]) for c, i in rnd]
@@ -400,6 +459,9 @@ def replay(llm, convs, rounds, after_round=None) -> tuple[list[int], list[list[i
             cached.append(int(r.num_cached_tokens or 0))
             outs.append(list(out.token_ids))
             logprobs.append(float(out.logprobs[0][out.token_ids[0]].logprob))
+            if margins is not None:
+                top = sorted((lp.logprob for lp in out.logprobs[0].values()), reverse=True)
+                margins.append(float(top[0] - top[1]) if len(top) > 1 else float("inf"))
         if after_round is not None:
             after_round(llm)
     return cached, outs, logprobs
@@ -444,7 +506,7 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
         kwargs["block_size"] = block_size
     kwargs.update(extra)
     t0 = time.monotonic()
-    llm = make_llm(model_for(policy, geometry), num_blocks, max_model_len, **kwargs)
+    llm = make_llm(model_for(policy, geometry, max_model_len), num_blocks, max_model_len, **kwargs)
     t1 = time.monotonic()
     used = llm.llm_engine.vllm_config.cache_config.block_size
     if used != block_size:
@@ -454,14 +516,17 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
         raise RuntimeError(f"{geometry} geometry: vLLM runs {used}-token blocks, "
                            f"the budgets assume {block_size}")
     try:
-        cached, outs, logprobs = replay(llm, convs, rounds)
+        margins: list[float] = []
+        cached, outs, logprobs = replay(
+            llm, convs, rounds, margins=margins,
+            after_round=zero_state_pages if policy == "plugin-zeroed-states" else None)
     finally:
         shutdown(llm)
         del llm
         gc.collect()
     t2 = time.monotonic()
     return {"policy": policy, "num_blocks": num_blocks, "cached": cached, "outputs": outs,
-            "logprobs": logprobs,
+            "logprobs": logprobs, "margins": margins,
             "start_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
 
 
@@ -479,7 +544,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", nargs="*", default=None,
                     help=f"trace files/folders/names (default: {' '.join(DEFAULT_TRACES)})")
     ap.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR)
-    ap.add_argument("--max-prompt", type=int, default=2000, help="prompt cap in tokens (ELIDE rule)")
+    ap.add_argument("--traces-fitting", type=int, default=None, metavar="TOKENS",
+                    help="every trace of --trace-dir whose prompts are all shorter than this "
+                         "(at full length), instead of --traces")
+    ap.add_argument("--tokens-per-id", type=int, default=None,
+                    help="SCALE rule: each 64-token trace id becomes this many tokens")
+    ap.add_argument("--max-prompt", type=int, default=2000,
+                    help="prompt cap in tokens (ELIDE rule); 0: no elision, no cap")
     ap.add_argument("--head", type=int, default=256, help="tokens kept before the elided span")
     ap.add_argument("--max-requests", type=int, default=None, help="requests per conversation")
     ap.add_argument("--in-flight", type=int, default=4)
@@ -503,8 +574,14 @@ def main(argv: list[str] | None = None) -> int:
               "is already native's hash unit", flush=True)
         policies.remove("native-pmu64")
     multiples = [float(x) for x in args.pool_multiples.split(",") if x.strip()]
-    paths = resolve_trace_paths(args.traces, args.trace_dir)
-    convs = build_workload(paths, args.max_prompt, args.head, args.max_requests)
+    if args.traces_fitting is not None:
+        if args.traces:
+            ap.error("--traces and --traces-fitting exclude each other")
+        paths = traces_fitting(args.traces_fitting, args.trace_dir)
+    else:
+        paths = resolve_trace_paths(args.traces, args.trace_dir)
+    convs = build_workload(paths, args.max_prompt, args.head, args.max_requests,
+                           args.tokens_per_id)
     if not convs:
         print("no request fits --max-prompt", file=sys.stderr)
         return 2
@@ -527,14 +604,18 @@ def main(argv: list[str] | None = None) -> int:
     off_outputs: dict[str, list] = {}
     for m in multiples:
         nb = budget_blocks(m, ws, one)
-        # the off run of each model first, as the reference
+        # the off run of each model first, as the reference; once: without
+        # caching the pool size changes the schedule, never an output
         order = []
-        if any(p != "off" and not p.startswith("attention-control") for p in policies):
+        if "off" not in off_outputs and any(
+                p != "off" and not p.startswith("attention-control") for p in policies):
             order.append("off")
-        if any(p.startswith("attention-control") for p in policies):
+        if "attention-control-off" not in off_outputs and any(
+                p.startswith("attention-control") for p in policies):
             order.append("attention-control-off")
         plugin_runs = [p for p in PLUGIN_POLICIES if p in policies]
-        order += [p for p in policies if p not in order and p not in plugin_runs]
+        order += [p for p in policies
+                  if p not in order and p not in plugin_runs and p not in off_outputs]
         order += plugin_runs
         for pol in order:
             if pol == "attention-control-off":
@@ -543,12 +624,16 @@ def main(argv: list[str] | None = None) -> int:
                 r["policy"] = pol
             else:
                 r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry)
-            if pol in ("off", "attention-control-off"):
+            if pol in ("off", "attention-control-off", "off-rechunked"):
+                # references and the noise floor: pool-independent, run once
                 off_outputs[pol] = r
             ref_run = off_outputs.get("attention-control-off" if pol.startswith("attention-control")
                                       else "off")
             ref = ref_run["outputs"] if ref_run is not None else None
             total = sum(r["cached"])
+            compared = ref is not None and pol not in ("off", "attention-control-off")
+            differ = [j for j, (a, b) in enumerate(zip(r["outputs"], ref))
+                      if a != b] if compared else []
             row = {"multiple": m, "policy": pol, "num_blocks": nb, "cached_tokens": total,
                    "oracle_tokens": sum(oracle),
                    "ratio": round(total / sum(oracle), 4) if sum(oracle) else None,
@@ -558,13 +643,22 @@ def main(argv: list[str] | None = None) -> int:
                    "same_as_off": (r["outputs"] == ref)
                    if ref is not None and pol not in ("off", "attention-control-off") else None,
                    "max_logprob_gap": round(max_logprob_gap(r["logprobs"], ref_run["logprobs"]), 4)
-                   if ref is not None and pol not in ("off", "attention-control-off") else None,
+                   if compared else None,
+                   # how many greedy outputs differ, and how near a tie the
+                   # caching-off run was on the worst of them (its top-2 margin)
+                   "outputs_differing": len(differ) if compared else None,
+                   "differing_max_off_margin": round(max(ref_run["margins"][j] for j in differ), 4)
+                   if differ else None,
                    "start_s": r["start_s"], "replay_s": r["replay_s"],
-                   "per_request_cached": r["cached"]}
+                   "per_request_cached": r["cached"],
+                   "per_request_output": [o[0] if o else None for o in r["outputs"]],
+                   "per_request_logprob": [round(x, 4) for x in r["logprobs"]],
+                   "per_request_margin": [round(x, 4) for x in r["margins"]]}
             results.append(row)
             print(f"  x{m:<5} {pol:22s} blocks {nb:4d}  cached {total:7d}  "
                   f"ratio {row['ratio']}  block ratio {row['block_ratio']}  same_as_off {row['same_as_off']}  "
-                  f"logprob gap {row['max_logprob_gap']}  "
+                  f"logprob gap {row['max_logprob_gap']}  differing {row['outputs_differing']} "
+                  f"(off margin <= {row['differing_max_off_margin']})  "
                   f"({r['start_s']} s start, {r['replay_s']} s replay)", flush=True)
 
     wall = time.monotonic() - t_start

@@ -216,6 +216,24 @@ def test_tail_comes_from_next_request_when_it_continues():
     assert p0 == list(ex.block_tokens("sp", 1, 4) + ex.block_tokens("sp", 2, 4) + blk3[:2])
 
 
+def test_scaled_expansion_keeps_the_sharing_at_id_granularity():
+    # 4-token ids replayed at 2 tokens per id: ids 1, 2 -> 2 tokens each,
+    # the 2-token tail of request 0 -> 1 token, still the head of id 3.
+    c = _conv([(10, [1, 2]), (15, [1, 2, 3]), (7, [9])])
+    ex = TokenExpander()
+    p0, p1, p2 = (ex.prompt_tokens(c, i, tokens_per_id=2) for i in range(3))
+    assert p0 == list(ex.block_tokens("sp", 1, 2) + ex.block_tokens("sp", 2, 2)
+                      + ex.block_tokens("sp", 3, 2)[:1])
+    assert len(p1) == 7 and p1[:5] == p0          # 15 = 3 ids + tail 3 -> 6 + 1
+    assert len(p2) == 3 and p2[:2] == list(ex.block_tokens("sp", 9, 2))
+    # prefix-stable: the scaled id is the head of the full one
+    assert ex.block_tokens("sp", 1, 2) == ex.block_tokens("sp", 1, 4)[:2]
+    assert ex.prompt_tokens(c, 1, tokens_per_id=4) == ex.prompt_tokens(c, 1)
+    for bad in (0, 5, 2.0):
+        with pytest.raises(ValueError, match="tokens_per_id"):
+            ex.prompt_tokens(c, 0, tokens_per_id=bad)
+
+
 def test_tail_is_own_when_not_continued():
     c = _conv([(10, [1, 2]), (15, [1, 2, 3]), (7, [9])])
     ex = TokenExpander()

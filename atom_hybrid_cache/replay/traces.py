@@ -656,10 +656,27 @@ class TokenExpander:
             return ()
         return self._space_blocks(conv.space_id, conv.trace_block_size)[src][:tail]
 
-    def prompt_tokens(self, conv: Conversation, i: int) -> list[int]:
-        """The full prompt of request i (``prompt_len`` tokens)."""
+    def prompt_tokens(self, conv: Conversation, i: int,
+                      tokens_per_id: Optional[int] = None) -> list[int]:
+        """The full prompt of request i (``prompt_len`` tokens).
+
+        ``tokens_per_id`` (1 .. the trace block size) replays the trace scaled
+        down: each id expands to that many tokens instead of the trace's block
+        size, and the tail to ``tail * tokens_per_id // block size`` of them
+        (the partial-block rule unchanged). Prompts shrink by the factor while
+        which requests share which prefix, up to which id, stays exactly as
+        recorded: what a model too slow for 60k-token prompts needs to see
+        the traces' growth and reuse.
+        """
         ids, src, tail = self._layout(conv, i)
-        blocks = self._space_blocks(conv.space_id, conv.trace_block_size)
+        tbs = conv.trace_block_size
+        if tokens_per_id is not None:
+            if not _is_int(tokens_per_id) or not 1 <= tokens_per_id <= tbs:
+                raise ValueError(f"tokens_per_id must be an integer in 1..{tbs}, "
+                                 f"got {tokens_per_id!r}")
+            tail = tail * tokens_per_id // tbs
+            tbs = tokens_per_id
+        blocks = self._space_blocks(conv.space_id, tbs)
         out = list(chain.from_iterable(map(blocks.__getitem__, ids)))
         if src is not None:
             out.extend(blocks[src][:tail])

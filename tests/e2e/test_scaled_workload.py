@@ -1,0 +1,61 @@
+"""The scaled workload of ``benchmarks/e2e_pressure.py`` (SCALE rule): the
+plan's 14 cc traces whose prompts all fit in 64k tokens, replayed at 8
+tokens per 64-token trace id.
+
+No model runs here: this pins what the benchmark's table is measured on
+(which traces, how many requests and tokens, the oracle, the working set),
+so a change to the expansion or the selection shows up as a failing test
+instead of a silently different table. The figures are those of
+``benchmarks/results/e2e_pressure_scaled.json``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+FIT_64K = ["trace_0184", "trace_0228", "trace_0288", "trace_0312", "trace_0368", "trace_0372",
+           "trace_0432", "trace_0460", "trace_0504", "trace_0620", "trace_0624", "trace_0676",
+           "trace_0684", "trace_0704"]
+
+
+@pytest.fixture(scope="module")
+def scaled(pressure_bench):
+    E = pressure_bench
+    if not E.DEFAULT_TRACE_DIR.is_dir():
+        pytest.skip(f"shared cc traces not available in {E.DEFAULT_TRACE_DIR}")
+    paths = E.traces_fitting(64000)
+    convs = E.build_workload(paths, 0, tokens_per_id=8)
+    rounds = E.lockstep_rounds(convs, 4)
+    return E, paths, convs, rounds, E.send_order(convs, rounds)
+
+
+def test_the_plans_fourteen_traces_are_selected(scaled):
+    _, paths, convs, _, _ = scaled
+    assert [p.stem for p in paths] == FIT_64K
+    assert len(convs) == 14
+
+
+def test_scaled_prompts_keep_the_traces_growth_and_reuse(scaled):
+    E, _, convs, rounds, sent = scaled
+    assert (len(sent), len(rounds)) == (223, 65)
+    assert sum(map(len, sent)) == 950_932 and max(map(len, sent)) == 7_978
+    oracle = E.oracle_reusable(sent, [len(r) for r in rounds])
+    assert sum(oracle) == 860_393
+    assert sum(n // 32 * 32 for n in oracle) == 856_960
+    assert E.working_set(convs, rounds, 32) == (720, 256)
+    # the recorded resend-and-continue pattern survives the scaling: most
+    # turns reuse all but the last few tokens of their conversation's
+    # previous prompt
+    continued = sum(1 for cv in convs for a, b in zip(cv["prompts"], cv["prompts"][1:])
+                    if b[:len(a) - 8] == a[:len(a) - 8])
+    assert continued == 198   # of 209 follow-up turns
+
+
+def test_no_elision_and_no_cap_when_max_prompt_is_zero(scaled):
+    E, paths, convs, _, _ = scaled
+    from atom_hybrid_cache.replay.traces import TokenExpander, load_traces
+
+    (conv,) = load_traces(paths[0])
+    full = TokenExpander().prompt_tokens(conv, 0, tokens_per_id=8)
+    assert convs[0]["prompts"][0] == [t % E.TINY_VOCAB_WORDS + 1 for t in full]
+    assert len(convs[0]["prompts"]) == len(conv.requests)
