@@ -39,7 +39,10 @@ class RequestPlan:
     # every planned position -> kind, kept after the stop is passed: the
     # stats name the kind written
     kinds: dict = field(default_factory=dict)
-    # the same positions, for the state managers' retention (read per step)
+    # the same positions, for the state managers' retention: they add them
+    # to vLLM's replay boundaries while one is still ahead of the computed
+    # tokens (`AtomStateManager.cache_blocks`; blocks up to it were hashed
+    # by earlier calls, so later ones need nothing)
     retained: tuple = ()
     admitted: bool = False
     retained_max: int = 0
@@ -132,15 +135,6 @@ class CheckpointPlanner:
         if plan is None or not self.interior_readable:
             return []
         return [p for p in plan.retained if start < p < end]
-
-    def retained_ahead(self, request_id: str, computed: int) -> tuple:
-        """The planned positions the state managers keep, while one is still
-        ahead of `computed`: the blocks up to it were hashed by earlier
-        calls, so later ones need nothing (the per-step path stays light)."""
-        plan = self.plans.get(request_id)
-        if plan is None or plan.retained_max <= computed:
-            return ()
-        return plan.retained
 
     def admitted(self, request_id: str, num_cached_tokens: int) -> None:
         """The request was scheduled for the first time with this hit."""

@@ -73,7 +73,7 @@ class AtomSchedulerMixin:
             stats_log_interval=interval,
             interior_readable=bool(getattr(first.kv_cache_spec, "interior_checkpoints", False)))
         for g in state_groups:
-            managers[g].planner = planner
+            managers[g].attach(planner)
         self._atom = planner
         connector = getattr(self, "connector", None)
         if isinstance(connector, AtomStatsConnector):

@@ -25,6 +25,7 @@ from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 from .planner import CheckpointPlanner
 
 _PROBE_HASH = b"\x5a" * 32
+_mamba_cache_blocks = MambaManager.cache_blocks
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,6 +52,11 @@ class AtomStateManager(MambaManager):
         # Attached by AtomScheduler; without it (another scheduler class)
         # this manager behaves exactly like vLLM's.
         self.planner: Optional[CheckpointPlanner] = None
+        self._plans: dict = {}
+
+    def attach(self, planner: CheckpointPlanner) -> None:
+        self.planner = planner
+        self._plans = planner.plans
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids,
@@ -89,12 +95,15 @@ class AtomStateManager(MambaManager):
 
     def cache_blocks(self, request, num_tokens: int, retention_interval: Optional[int] = None, *,
                      replay_boundaries: Sequence[int]) -> None:
-        if self.planner is not None and retention_interval is not None:
-            extra = self.planner.retained_ahead(request.request_id, request.num_computed_tokens)
-            if extra:
-                replay_boundaries = (*replay_boundaries, *extra)
-        super().cache_blocks(request, num_tokens, retention_interval,
-                             replay_boundaries=replay_boundaries)
+        # Called for every group and running request each step, decode
+        # included, so the test is one dict lookup and vLLM's method is
+        # called directly (see `RequestPlan.retained`).
+        plan = self._plans.get(request.request_id)
+        if (plan is not None and retention_interval is not None
+                and plan.retained_max > request.num_computed_tokens):
+            replay_boundaries = (*replay_boundaries, *plan.retained)
+        _mamba_cache_blocks(self, request, num_tokens, retention_interval,
+                            replay_boundaries=replay_boundaries)
 
 
 class AtomInteriorStateManager(AtomStateManager):

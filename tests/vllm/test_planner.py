@@ -92,8 +92,8 @@ def test_with_interior_extraction_chunks_run_on_and_the_forward_gets_its_targets
     assert p.interior_positions("r", 384, 768) == [640]
     assert p.interior_positions("r", 640, 700) == []
     # retention is unchanged: the managers keep all three
-    assert sorted(p.retained_ahead("r", 0)) == [384, 640, 768]
-    assert p.retained_ahead("r", 768) == ()
+    assert sorted(p.plans["r"].retained) == [384, 640, 768]
+    assert p.plans["r"].retained_max == 768
     # cutting planner: no interior targets, ever
     q = planner()
     q.finished("old", [f"h{i}" for i in range(16)], [])
