@@ -11,8 +11,8 @@ caching keep when the KV pool cannot hold every live conversation?
 ``ATOM_INTERIOR_CHECKPOINTS=on`` (checkpoints written inside prefill forwards
 instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
 ``plugin-zeroed-states`` is the plugin with every GDN state page zeroed
-between rounds: the sabotage that shows what a wrong resumed state does to
-the output checks.
+between rounds (only when named): the sabotage that shows what a wrong
+resumed state does to the output checks.
 They run last in each budget, since vLLM loads plugins once per process.
 
 Workload
@@ -135,7 +135,7 @@ Policies
 ``off`` (``enable_prefix_caching=False``), ``off-rechunked`` (caching off with
 1,024-token prefill steps instead of 2,048: its differences from ``off`` are
 another chunking's rounding alone, the noise floor the output checks are read
-against; run once, like ``off``), ``native`` (vLLM default: align mode,
+against; run once, like ``off``, and only when named), ``native`` (vLLM default: align mode,
 ``prefix_cache_retention_interval=0``, hash unit = block), ``native-pmu64``
 (``prefix_match_unit=64``: hits may land on 64-token boundaries inside a 128
 block), ``native-dense`` (``prefix_cache_retention_interval=None``: "None
@@ -184,6 +184,8 @@ POLICIES = ["off", "off-rechunked", "native", "native-pmu64", "native-dense", "a
 # from off's only by another chunking's rounding: the noise floor that
 # "equal to the caching-off run" is read against.
 RECHUNKED_BATCHED_TOKENS = 1024
+# Run only when named: the noise floor and the sabotage.
+DIAGNOSTIC_POLICIES = ["off-rechunked", "plugin-zeroed-states"]
 TINY_VOCAB_WORDS = 4000            # ids map to 1..4000 (< tiny_model.NUM_WORDS)
 MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache group each)
 MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
@@ -555,7 +557,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-requests", type=int, default=None, help="requests per conversation")
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--pool-multiples", default="1.25,1.0,0.83")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies",
+                    default=",".join(p for p in POLICIES if p not in DIAGNOSTIC_POLICIES),
+                    help=f"comma list of {', '.join(POLICIES)} (default: all but "
+                         f"{' and '.join(DIAGNOSTIC_POLICIES)})")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="default",
                     help="tiny-model geometry (block size and the KV share of a state page)")
     ap.add_argument("--json", type=Path, default=None)
