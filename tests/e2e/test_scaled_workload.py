@@ -19,14 +19,8 @@ FIT_64K = ["trace_0184", "trace_0228", "trace_0288", "trace_0312", "trace_0368",
 
 
 @pytest.fixture(scope="module")
-def scaled(pressure_bench):
-    E = pressure_bench
-    if not E.DEFAULT_TRACE_DIR.is_dir():
-        pytest.skip(f"shared cc traces not available in {E.DEFAULT_TRACE_DIR}")
-    paths = E.traces_fitting(64000)
-    convs = E.build_workload(paths, 0, tokens_per_id=8)
-    rounds = E.lockstep_rounds(convs, 4)
-    return E, paths, convs, rounds, E.send_order(convs, rounds)
+def scaled(pressure_bench, scaled_plan_workload):
+    return (pressure_bench, *scaled_plan_workload)
 
 
 def test_the_plans_fourteen_traces_are_selected(scaled):

@@ -57,8 +57,7 @@ def workload(pressure_bench):
     sent = E.send_order(convs, rounds)
     ws, one = E.working_set(convs, rounds)
     nb = E.budget_blocks(POOL_MULTIPLE, ws, one)
-    max_len = max(len(p) for p in sent)
-    mml = -(-(max_len + 1) // E.BLOCK_SIZE) * E.BLOCK_SIZE
+    mml = E.model_len_for(sent)
     return E, convs, rounds, sent, nb, mml
 
 

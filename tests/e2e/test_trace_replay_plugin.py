@@ -60,7 +60,7 @@ def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, 
     sent = E.send_order(convs, rounds)
     ws, one = E.working_set(convs, rounds)
     nb = E.budget_blocks(POOL_MULTIPLE, ws, one)
-    mml = -(-(max(len(p) for p in sent) + 1) // E.BLOCK_SIZE) * E.BLOCK_SIZE
+    mml = E.model_len_for(sent)
     oracle = sum(E.oracle_reusable(sent))
     assert (len(convs), len(sent), nb, oracle) == (4, 26, 63, ORACLE_REUSABLE)
 
