@@ -589,8 +589,8 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
                 async_scheduling: bool = False, progress: bool = False,
                 log=None):
-    """`run_point` as a generator: yields after every scheduler step and
-    returns the PointResult."""
+    """`run_point` as a generator: yields the scheduler after every step
+    (a test can look at its state there) and returns the PointResult."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -814,7 +814,7 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
             if idle > 1000:
                 raise RuntimeError(f"{policy.name}: the scheduler made no progress in 1000 steps")
             finish(finished)
-            yield
+            yield sched
     else:
         # EngineCore.step_with_batch_queue with a queue of 2 (async
         # scheduling): step N+1 is scheduled before step N's output is
@@ -835,7 +835,7 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
             if idle > 1000:
                 raise RuntimeError(f"{policy.name}: the scheduler made no progress in 1000 steps")
             finish(finished)
-            yield
+            yield sched
     if bar is not None:
         bar.close()
     res.preempted_requests = len(preempted_ids)

@@ -47,12 +47,23 @@ def prefix_index_key_suffix(block_pool, group_id: int) -> Optional[bytes]:
 
 
 class AtomStateManager(MambaManager):
+    # The steady-step shortcuts below; False runs vLLM's methods on every
+    # call (the equivalence test compares the two).
+    steady_shortcuts = True
+
     def __init__(self, kv_cache_spec, block_pool, **kwargs) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         # Attached by AtomScheduler; without it (another scheduler class)
         # this manager behaves exactly like vLLM's.
         self.planner: Optional[CheckpointPlanner] = None
         self._plans: dict = {}
+        # Where vLLM's align-mode bookkeeping has a per-step branch of its
+        # own (speculative columns, vLLM's prefill checkpoint blocks) every
+        # call takes vLLM's path. Without prefill checkpoint blocks vLLM
+        # never reserves a checkpoint column (`_checkpoints` stays empty),
+        # which the shortcuts rely on.
+        self._steady_path = (self.steady_shortcuts and self.mamba_cache_mode == "align" and self.num_speculative_blocks == 0
+                             and not self.has_prefill_checkpoint_blocks)
 
     def attach(self, planner: CheckpointPlanner) -> None:
         self.planner = planner
@@ -93,12 +104,68 @@ class AtomStateManager(MambaManager):
             block_hashes, top * alignment_tokens, kv_cache_group_ids, block_pool, kv_cache_spec,
             drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size)
 
+    # -- the steady step -------------------------------------------------
+    # The four methods below run for every state group and running request
+    # each step, and in most steps (a decode step inside the running page,
+    # a prefill chunk with no hit to attach) vLLM's align-mode versions
+    # change nothing or count what is missing. Each first tests for that
+    # case with a few dict lookups and integer comparisons and answers it
+    # itself; otherwise it runs vLLM's method unchanged. Measured: about a
+    # tenth of the scheduler's time per step (BENCHMARKS.md); shown equal
+    # to vLLM's at every step by tests/vllm/test_steady_shortcuts.py.
+    def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
+                                   total_computed_tokens, num_local_computed_tokens,
+                                   num_tokens_main_model, apply_admission_cap=False,
+                                   prefill_end=0) -> int:
+        if (self._steady_path and not new_computed_blocks
+                and request_id not in self._partial_hit_reqs):
+            # vLLM's branch with no hit, no copy-on-write tail, no
+            # checkpoint block: the pages still missing, at most one
+            n = -(num_tokens_main_model // -self.block_size) - len(self.req_to_blocks[request_id])
+            return min(n, 1)
+        return super().get_num_blocks_to_allocate(
+            request_id, num_tokens, new_computed_blocks, total_computed_tokens,
+            num_local_computed_tokens, num_tokens_main_model,
+            apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
+
+    def allocate_new_blocks(self, request_id: str, num_tokens: int,
+                            num_tokens_main_model: int) -> list:
+        if self._steady_path:
+            blocks = self.req_to_blocks[request_id]
+            if (-(num_tokens_main_model // -self.block_size) <= len(blocks)
+                    and request_id not in self._partial_hit_reqs):
+                self._allocated_block_reqs.add(request_id)
+                return []
+        return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
+
+    def remove_skipped_blocks(self, request_id: str, processed_computed_tokens: int,
+                              num_prompt_tokens: Optional[int] = None) -> None:
+        if self._steady_path:
+            blocks = self.req_to_blocks.get(request_id)
+            last = self.last_state_block_idx.get(request_id)
+            # nothing below the retired columns to free, and the state two
+            # steps old is not behind the running column
+            if (blocks is not None
+                    and min((processed_computed_tokens - 1) // self.block_size, len(blocks))
+                    <= self._num_retired_blocks.get(request_id, 0)
+                    and (last is None or last >= -(processed_computed_tokens // -self.block_size) - 1)):
+                return
+        super().remove_skipped_blocks(request_id, processed_computed_tokens, num_prompt_tokens)
+
     def cache_blocks(self, request, num_tokens: int, retention_interval: Optional[int] = None, *,
                      replay_boundaries: Sequence[int]) -> None:
+        rid = request.request_id
+        if (self._steady_path
+                and num_tokens // self.block_size <= self.num_cached_block.get(rid, 0)
+                and (num_tokens > request.num_prompt_tokens
+                     or num_tokens % self.block_pool.hash_block_size)):
+            # no new full page to hash, and no prompt boundary to key a
+            # partial tail at
+            return
         # Called for every group and running request each step, decode
         # included, so the test is one dict lookup and vLLM's method is
         # called directly (see `RequestPlan.retained`).
-        plan = self._plans.get(request.request_id)
+        plan = self._plans.get(rid)
         if (plan is not None and retention_interval is not None
                 and plan.retained_max > request.num_computed_tokens):
             replay_boundaries = (*replay_boundaries, *plan.retained)

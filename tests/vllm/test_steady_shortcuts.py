@@ -1,0 +1,137 @@
+"""`AtomStateManager`'s steady-step shortcuts change nothing.
+
+The four per-step methods of our state groups (`get_num_blocks_to_allocate`,
+`allocate_new_blocks`, `remove_skipped_blocks`, `cache_blocks`) answer a
+decode step inside the running page without calling vLLM's align-mode
+versions. Here vLLM's real scheduler serves the embedded sample traces under
+pressure (the scheduler benchmark's smoke point: preemptions, copy-on-write
+partial tails, our chunk stops and retention) twice, with the shortcuts and
+with `AtomStateManager.steady_shortcuts = False`, and after every step the
+whole allocation state must be identical: every request's block table in
+every group, the managers' bookkeeping, every page's reference count and
+hash, and the order of the free queue (which page is evicted next).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # cheap: no vLLM import at collection
+    pytest.skip("vllm is not installed; run: bash scripts/setup_cpu_vllm.sh",
+                allow_module_level=True)
+
+from scheduler_bench_module import load_scheduler_bench  # noqa: E402
+
+SB = load_scheduler_bench()
+
+POINT = dict(concurrency=2, memory_gib=2.5, max_model_len=32_768, max_output=32)
+MAMBA_BOOKKEEPING = ("_allocated_block_reqs", "last_state_block_idx", "_num_retired_blocks",
+                     "_checkpoints", "cached_blocks_this_step", "_producer_partial_tail_reqs")
+
+
+def _ids(value):
+    """Block objects as ids, containers recursively, in a stable order."""
+    if hasattr(value, "block_id"):
+        return ("block", value.block_id)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _ids(v)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return tuple(sorted(map(repr, value)))
+    if isinstance(value, (list, tuple)):
+        return tuple(_ids(v) for v in value)
+    return value
+
+
+def snapshot(sched) -> tuple:
+    kvm = sched.kv_cache_manager
+    pool = kvm.block_pool
+    groups = []
+    for m in kvm.coordinator.single_type_managers:
+        part = [_ids(dict(m.req_to_blocks)), _ids(m.num_cached_block),
+                _ids(m._partial_hit_reqs), _ids(m._pending_cow_copies),
+                _ids(m._pending_boundary_state_offloads)]
+        part += [_ids(getattr(m, name, None)) for name in MAMBA_BOOKKEEPING]
+        groups.append(tuple(part))
+    pages = tuple((b.block_id, b.ref_cnt, b.block_hash, b.block_hash_num_tokens)
+                  for b in pool.blocks)
+    free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
+    requests = tuple(sorted((rid, r.num_computed_tokens, str(r.status))
+                            for rid, r in sched.requests.items()))
+    return tuple(groups), pages, free, requests
+
+
+def serve(conversations, monkeypatch, shortcuts: bool):
+    """[snapshot after every step], the PointResult, and how often vLLM's
+    own per-step methods ran for our state groups."""
+    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+
+    from atom_hybrid_cache.vllm import state_manager
+
+    calls = {}
+    answers = []   # what our manager answered, call by call
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] = calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return wrapper
+
+    def recorded(name, fn):
+        def wrapper(self, *args, **kwargs):
+            out = fn(self, *args, **kwargs)
+            answers.append((name, self.kv_cache_group_id, _ids(args), _ids(out)))
+            return out
+        return wrapper
+
+    with monkeypatch.context() as mp:
+        mp.setattr(state_manager.AtomStateManager, "steady_shortcuts", shortcuts)
+        for name in ("get_num_blocks_to_allocate", "allocate_new_blocks"):
+            mp.setattr(state_manager.AtomStateManager, name,
+                       recorded(name, getattr(state_manager.AtomStateManager, name)))
+        for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks"):
+            mp.setattr(MambaManager, name, counted(name, getattr(MambaManager, name)))
+        mp.setattr(state_manager, "_mamba_cache_blocks",
+                   counted("cache_blocks", state_manager._mamba_cache_blocks))
+        steps = SB.serve_point(conversations, "plugin", **POINT)
+        snaps = []
+        while True:
+            try:
+                sched = next(steps)
+            except StopIteration as done:
+                return snaps, answers, done.value, calls
+            snaps.append(snapshot(sched))
+            # what the shortcuts rely on: without vLLM's prefill checkpoint
+            # blocks no checkpoint column is ever reserved
+            for m in sched.kv_cache_manager.coordinator.single_type_managers:
+                assert not getattr(m, "_checkpoints", None)
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    pytest.importorskip("vllm")
+    try:
+        SB.load_plugin()
+    except SB.PluginUnavailable as exc:
+        pytest.skip(f"plugin scheduler not importable: {exc}")
+    from atom_hybrid_cache.replay.traces import default_sample_paths
+    return SB.load_conversations([p for p in default_sample_paths() if p.endswith(".json")])
+
+
+def test_shortcuts_leave_every_step_identical(conversations, monkeypatch):
+    fast, fast_answers, fast_result, fast_calls = serve(conversations, monkeypatch, True)
+    slow, slow_answers, slow_result, slow_calls = serve(conversations, monkeypatch, False)
+    assert len(fast) == len(slow) == fast_result.steps
+    for step, (a, b) in enumerate(zip(fast, slow)):
+        assert a == b, f"allocation state differs after step {step}"
+    assert len(fast_answers) == len(slow_answers)
+    for call, (a, b) in enumerate(zip(fast_answers, slow_answers)):
+        assert a == b, f"call {call}: {a} with the shortcuts, {b} without"
+    assert (fast_result.hit_tokens, fast_result.preemptions) == (
+        slow_result.hit_tokens, slow_result.preemptions)
+    # the point has pressure: preemptions and copy-on-write tails happen
+    assert slow_result.preemptions > 0
+    # and the shortcuts were taken: vLLM's methods ran for a fraction of the calls
+    for name, n in slow_calls.items():
+        assert fast_calls.get(name, 0) < n / 2, (name, fast_calls.get(name), n)
