@@ -5,7 +5,8 @@ The four per-step methods of our state groups (`get_num_blocks_to_allocate`,
 decode step inside the running page without calling vLLM's align-mode
 versions. Here vLLM's real scheduler serves the embedded sample traces under
 pressure (the scheduler benchmark's smoke point: preemptions, copy-on-write
-partial tails, our chunk stops and retention) twice, with the shortcuts and
+partial tails, our chunk stops and retention; vLLM's plain and async
+schedulers) twice, with the shortcuts and
 with `AtomStateManager.steady_shortcuts = False`, and after every step the
 whole allocation state must be identical: every request's block table in
 every group, the managers' bookkeeping, every page's reference count and
@@ -62,7 +63,7 @@ def snapshot(sched) -> tuple:
     return tuple(groups), pages, free, requests
 
 
-def serve(conversations, monkeypatch, shortcuts: bool):
+def serve(conversations, monkeypatch, shortcuts: bool, async_scheduling: bool):
     """[snapshot after every step], the PointResult, and how often vLLM's
     own per-step methods ran for our state groups."""
     from vllm.v1.core.single_type_kv_cache_manager import MambaManager
@@ -94,7 +95,7 @@ def serve(conversations, monkeypatch, shortcuts: bool):
             mp.setattr(MambaManager, name, counted(name, getattr(MambaManager, name)))
         mp.setattr(state_manager, "_mamba_cache_blocks",
                    counted("cache_blocks", state_manager._mamba_cache_blocks))
-        steps = SB.serve_point(conversations, "plugin", **POINT)
+        steps = SB.serve_point(conversations, "plugin", async_scheduling=async_scheduling, **POINT)
         snaps = []
         while True:
             try:
@@ -119,9 +120,12 @@ def conversations():
     return SB.load_conversations([p for p in default_sample_paths() if p.endswith(".json")])
 
 
-def test_shortcuts_leave_every_step_identical(conversations, monkeypatch):
-    fast, fast_answers, fast_result, fast_calls = serve(conversations, monkeypatch, True)
-    slow, slow_answers, slow_result, slow_calls = serve(conversations, monkeypatch, False)
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_shortcuts_leave_every_step_identical(conversations, monkeypatch, async_scheduling):
+    fast, fast_answers, fast_result, fast_calls = serve(conversations, monkeypatch, True,
+                                                        async_scheduling)
+    slow, slow_answers, slow_result, slow_calls = serve(conversations, monkeypatch, False,
+                                                        async_scheduling)
     assert len(fast) == len(slow) == fast_result.steps
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert a == b, f"allocation state differs after step {step}"
