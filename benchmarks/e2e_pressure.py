@@ -169,7 +169,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
@@ -451,31 +451,39 @@ def shutdown(llm) -> None:
         pass
 
 
-def replay(llm, convs, rounds, after_round=None,
-           margins: Optional[list] = None) -> tuple[list[int], list[list[int]], list[float]]:
-    """(num_cached_tokens, output token ids, logprob of the output token) per
-    prompt, in send order. `after_round(llm)` runs after each generate call.
-    `margins`, when given, gets each output's logprob minus the runner-up's:
-    how near a tie the greedy choice was."""
+class Replay(NamedTuple):
+    """Per prompt, in send order: `num_cached_tokens`, the output token
+    ids, the logprob of the output token, and (when asked for) its margin
+    over the runner-up: how near a tie the greedy choice was."""
+
+    cached: list
+    outputs: list
+    logprobs: list
+    margins: list
+
+
+def replay(llm, convs, rounds, after_round=None, with_margins: bool = False) -> Replay:
+    """Send the rounds, one generate call each; `after_round(llm)` runs
+    after each call. The runner-up's logprob is asked for only with
+    `with_margins` (otherwise `margins` stays empty)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=0 if margins is None else 2)
-    cached, outs, logprobs = [], [], []
+    sp = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 if with_margins else 0)
+    out = Replay([], [], [], [])
     for rnd in rounds:
         prompts = [TokensPrompt(prompt_token_ids=convs[c]["prompts"][i]) for c, i in rnd]
-        res = llm.generate(prompts, sp, use_tqdm=False)
-        for r in res:
-            out = r.outputs[0]
-            cached.append(int(r.num_cached_tokens or 0))
-            outs.append(list(out.token_ids))
-            logprobs.append(float(out.logprobs[0][out.token_ids[0]].logprob))
-            if margins is not None:
-                top = sorted((lp.logprob for lp in out.logprobs[0].values()), reverse=True)
-                margins.append(float(top[0] - top[1]) if len(top) > 1 else float("inf"))
+        for r in llm.generate(prompts, sp, use_tqdm=False):
+            o = r.outputs[0]
+            out.cached.append(int(r.num_cached_tokens or 0))
+            out.outputs.append(list(o.token_ids))
+            out.logprobs.append(float(o.logprobs[0][o.token_ids[0]].logprob))
+            if with_margins:
+                top = sorted((lp.logprob for lp in o.logprobs[0].values()), reverse=True)
+                out.margins.append(float(top[0] - top[1]) if len(top) > 1 else float("inf"))
         if after_round is not None:
             after_round(llm)
-    return cached, outs, logprobs
+    return out
 
 
 def max_logprob_gap(logprobs: list[float], reference: list[float]) -> float:
@@ -527,17 +535,15 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
         raise RuntimeError(f"{geometry} geometry: vLLM runs {used}-token blocks, "
                            f"the budgets assume {block_size}")
     try:
-        margins: list[float] = []
-        cached, outs, logprobs = replay(
-            llm, convs, rounds, margins=margins,
-            after_round=zero_state_pages if policy == "plugin-zeroed-states" else None)
+        run = replay(llm, convs, rounds, with_margins=True,
+                     after_round=zero_state_pages if policy == "plugin-zeroed-states" else None)
     finally:
         shutdown(llm)
         del llm
         gc.collect()
     t2 = time.monotonic()
-    return {"policy": policy, "num_blocks": num_blocks, "cached": cached, "outputs": outs,
-            "logprobs": logprobs, "margins": margins,
+    return {"policy": policy, "num_blocks": num_blocks, "cached": run.cached,
+            "outputs": run.outputs, "logprobs": run.logprobs, "margins": run.margins,
             "start_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
 
 

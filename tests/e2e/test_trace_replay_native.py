@@ -80,14 +80,14 @@ def test_native_hybrid_caching_under_pressure_matches_off(make_llm, workload):
         E.shutdown(llm)
         del llm
 
-    off_out = results["off"][1]
-    assert sum(results["off"][0]) == 0
+    off_out = results["off"].outputs
+    assert sum(results["off"].cached) == 0
     for policy in ("native", "native-pmu64"):
-        cached, outs, _ = results[policy]
-        bad = [k for k, (a, b) in enumerate(zip(outs, off_out)) if a != b]
+        run = results[policy]
+        bad = [k for k, (a, b) in enumerate(zip(run.outputs, off_out)) if a != b]
         assert not bad, f"{policy}: greedy output differs from caching off on requests {bad}"
-        assert all(0 <= c < len(p) for c, p in zip(cached, sent))
+        assert all(0 <= c < len(p) for c, p in zip(run.cached, sent))
 
-    totals = {p: sum(results[p][0]) for p in ("native", "native-pmu64")}
+    totals = {p: sum(results[p].cached) for p in ("native", "native-pmu64")}
     assert totals["native"] <= oracle and totals["native-pmu64"] <= oracle
     assert totals == {"native": NATIVE_CACHED, "native-pmu64": NATIVE_PMU64_CACHED}, totals

@@ -79,18 +79,18 @@ def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, 
         E.shutdown(llm)
         del llm
 
-    _, off_out, off_lp = results["off"]
+    off = results["off"]
     gaps = {}
     for run in ("native-pmu64", "plugin", "plugin-zeroed-states"):
-        cached, outs, logprobs = results[run]
-        bad = [k for k, (a, b) in enumerate(zip(outs, off_out)) if a != b]
-        gaps[run] = (len(bad), E.max_logprob_gap(logprobs, off_lp))
+        r = results[run]
+        bad = [k for k, (a, b) in enumerate(zip(r.outputs, off.outputs)) if a != b]
+        gaps[run] = (len(bad), E.max_logprob_gap(r.logprobs, off.logprobs))
         if run != "plugin-zeroed-states":
             assert not bad, f"{run}: greedy output differs from caching off on requests {bad}"
             assert gaps[run][1] <= LOGPROB_TOL, (run, gaps[run])
     # the checks above can fail: the same resumes from zeroed states
-    assert results["plugin-zeroed-states"][0] == results["plugin"][0]
+    assert results["plugin-zeroed-states"].cached == results["plugin"].cached
     assert gaps["plugin-zeroed-states"][0] >= 6 and gaps["plugin-zeroed-states"][1] > 5 * LOGPROB_TOL, gaps
-    totals = {p: sum(results[p][0]) for p in ("native-pmu64", "plugin")}
+    totals = {p: sum(results[p].cached) for p in ("native-pmu64", "plugin")}
     assert totals == {"native-pmu64": NATIVE_PMU64_CACHED, "plugin": PLUGIN_CACHED}, totals
     assert totals["plugin"] > totals["native-pmu64"]
