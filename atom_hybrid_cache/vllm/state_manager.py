@@ -62,7 +62,8 @@ class AtomStateManager(MambaManager):
         # call takes vLLM's path. Without prefill checkpoint blocks vLLM
         # never reserves a checkpoint column (`_checkpoints` stays empty),
         # which the shortcuts rely on.
-        self._steady_path = (self.steady_shortcuts and self.mamba_cache_mode == "align" and self.num_speculative_blocks == 0
+        self._steady_path = (self.steady_shortcuts and self.mamba_cache_mode == "align"
+                             and self.num_speculative_blocks == 0
                              and not self.has_prefill_checkpoint_blocks)
 
     def attach(self, planner: CheckpointPlanner) -> None:
@@ -110,8 +111,8 @@ class AtomStateManager(MambaManager):
     # a prefill chunk with no hit to attach) vLLM's align-mode versions
     # change nothing or count what is missing. Each first tests for that
     # case with a few dict lookups and integer comparisons and answers it
-    # itself; otherwise it runs vLLM's method unchanged. Measured: about a
-    # tenth of the scheduler's time per step (BENCHMARKS.md); shown equal
+    # itself; otherwise it runs vLLM's method unchanged. Measured: a
+    # seventh of the scheduler's time per step (BENCHMARKS.md); shown equal
     # to vLLM's at every step by tests/vllm/test_steady_shortcuts.py.
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                    total_computed_tokens, num_local_computed_tokens,
