@@ -542,8 +542,7 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
         del llm
         gc.collect()
     t2 = time.monotonic()
-    return {"policy": policy, "num_blocks": num_blocks, "cached": run.cached,
-            "outputs": run.outputs, "logprobs": run.logprobs, "margins": run.margins,
+    return {"policy": policy, "num_blocks": num_blocks, **run._asdict(),
             "start_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
 
 

@@ -163,9 +163,9 @@ class AtomStateManager(MambaManager):
             # no new full page to hash, and no prompt boundary to key a
             # partial tail at
             return
-        # Called for every group and running request each step, decode
-        # included, so the test is one dict lookup and vLLM's method is
-        # called directly (see `RequestPlan.retained`).
+        # Retention: our planned positions join vLLM's replay boundaries
+        # while one is still ahead (`RequestPlan.retained`), tested with one
+        # dict lookup; vLLM's method is called directly.
         plan = self._plans.get(rid)
         if (plan is not None and retention_interval is not None
                 and plan.retained_max > request.num_computed_tokens):

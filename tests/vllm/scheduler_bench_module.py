@@ -9,6 +9,10 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "scheduler_bench.py"
 
+# The smoke point the tests serve the embedded sample traces at: 2 slots,
+# 2.5 GiB (pressure enough to preempt), outputs capped at 32 tokens.
+SAMPLE_POINT = dict(concurrency=2, memory_gib=2.5, max_model_len=32_768, max_output=32)
+
 
 def load_scheduler_bench():
     if "scheduler_bench" not in sys.modules:
@@ -17,3 +21,11 @@ def load_scheduler_bench():
         sys.modules["scheduler_bench"] = mod
         spec.loader.exec_module(mod)
     return sys.modules["scheduler_bench"]
+
+
+def load_sample_conversations():
+    """The embedded sample cc traces, as the bench loads conversations."""
+    from atom_hybrid_cache.replay.traces import default_sample_paths
+
+    return load_scheduler_bench().load_conversations(
+        [p for p in default_sample_paths() if p.endswith(".json")])

@@ -20,19 +20,16 @@ if importlib.util.find_spec("vllm") is None:  # cheap: no vLLM import at collect
     pytest.skip("vllm is not installed; run: bash scripts/setup_cpu_vllm.sh",
                 allow_module_level=True)
 
-from scheduler_bench_module import load_scheduler_bench  # noqa: E402
+from scheduler_bench_module import (SAMPLE_POINT as POINT, load_sample_conversations,  # noqa: E402
+                                    load_scheduler_bench)
 
 SB = load_scheduler_bench()
-
-POINT = dict(concurrency=2, memory_gib=2.5, max_model_len=32_768, max_output=32)
 
 
 @pytest.fixture(scope="module")
 def conversations():
     pytest.importorskip("vllm")  # installed but broken: skip with the reason
-    from atom_hybrid_cache.replay.traces import default_sample_paths
-    paths = [p for p in default_sample_paths() if p.endswith(".json")]
-    return SB.load_conversations(paths)
+    return load_sample_conversations()
 
 
 @pytest.fixture

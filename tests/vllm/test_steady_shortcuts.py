@@ -23,11 +23,10 @@ if importlib.util.find_spec("vllm") is None:  # cheap: no vLLM import at collect
     pytest.skip("vllm is not installed; run: bash scripts/setup_cpu_vllm.sh",
                 allow_module_level=True)
 
-from scheduler_bench_module import load_scheduler_bench  # noqa: E402
+from scheduler_bench_module import (SAMPLE_POINT as POINT, load_sample_conversations,  # noqa: E402
+                                    load_scheduler_bench)
 
 SB = load_scheduler_bench()
-
-POINT = dict(concurrency=2, memory_gib=2.5, max_model_len=32_768, max_output=32)
 MAMBA_BOOKKEEPING = ("_allocated_block_reqs", "last_state_block_idx", "_num_retired_blocks",
                      "_checkpoints", "cached_blocks_this_step", "_producer_partial_tail_reqs")
 
@@ -116,8 +115,7 @@ def conversations():
         SB.load_plugin()
     except SB.PluginUnavailable as exc:
         pytest.skip(f"plugin scheduler not importable: {exc}")
-    from atom_hybrid_cache.replay.traces import default_sample_paths
-    return SB.load_conversations([p for p in default_sample_paths() if p.endswith(".json")])
+    return load_sample_conversations()
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
