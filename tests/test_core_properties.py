@@ -6,8 +6,8 @@ checks every invariant of kv_pool.py and state_pool.py after every step.
 Operation count: every rule run is one operation (the setup step is not).
 MAX_EXAMPLES = 180 runs of at most STEPS - 1 = 89 operations: at most 16,020.
 Hypothesis also explores short runs (about a third of its runs end within a
-few steps), so a run does about 12,600-14,400 operations (measured), in about
-7 s on an idle 2-core machine and 15-19 s with the cores shared; the test
+few steps); derandomized, the run is the same every time: 13,589 operations,
+in about 7 s on an idle 2-core machine and 15-19 s with the cores shared; the test
 counts them and asserts >= 10,000 (MIN_OPERATIONS), and that the runs
 reached the interesting paths (refused admissions, resumes, KV and checkpoint
 evictions, orphans, drops, decode out of KV).
@@ -326,8 +326,10 @@ def test_core_invariants_under_random_serving():
     SEEN.clear()
     run_state_machine_as_test(
         CacheMachine,
+        # derandomized: the paths asserted below are reached by chance, and
+        # a fresh CI clone once drew a run that dropped no checkpoint
         settings=settings(max_examples=MAX_EXAMPLES, stateful_step_count=STEPS,
-                          deadline=None,
+                          deadline=None, derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.data_too_large]))
     total = sum(OPS.values())
