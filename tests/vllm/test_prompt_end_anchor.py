@@ -19,51 +19,8 @@ pytest.importorskip("vllm")
 
 from atom_hybrid_cache.vllm.scheduler import AtomSchedulerMixin  # noqa: E402
 
-from scheduler_bench_module import load_scheduler_bench  # noqa: E402
-
 PROMPT = 3000          # tokens; 46 hash units of 64, the last boundary at 2,944
 DECODE = 24            # output tokens: many steps after vLLM gives the page back
-
-
-@pytest.fixture
-def serve(monkeypatch):
-    """(scheduler, submit, step) for the plugin policy of the scheduler bench."""
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
-
-    SB = load_scheduler_bench()
-    spec_cls, sched_cls, register = SB.load_plugin()
-    register()
-    policy = SB.POLICIES["plugin"]
-    for k, v in {**SB.CLI_ENV, **dict(policy.env)}.items():
-        monkeypatch.setenv(k, v)
-    built = SB.build_configs(policy, concurrency=2, budget_bytes=int(2.5 * SB.GIB),
-                             max_model_len=32_768, mamba_spec_cls=spec_cls)
-    sched = SB.make_scheduler(built, sched_cls)
-    hash_fn = get_hash_fn_by_name(built.vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(built.hash_block_size, hash_fn)
-
-    def submit(rid: str, tokens: list, max_tokens: int) -> None:
-        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-        sched.add_request(Request(request_id=rid, prompt_token_ids=tokens, sampling_params=params,
-                                  pooling_params=None, arrival_time=0.0, block_hasher=hasher))
-
-    def step() -> dict:
-        """One step; returns {request id: tokens computed before it} of the
-        requests scheduled for the first time."""
-        out = sched.schedule()
-        ids = list(out.num_scheduled_tokens)
-        sampled = [[] if sched.requests[r].is_prefill_chunk else [7] for r in ids]
-        sched.update_from_output(out, ModelRunnerOutput(
-            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled))
-        return {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
-
-    return sched, submit, step
 
 
 def _prompt_end_pages(sched, block_hashes, prompt_len):

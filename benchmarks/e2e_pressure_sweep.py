@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The scaled e2e pressure workload (``e2e_pressure.py``'s SCALE rule) in
+several shapes: how much of the oracle each policy keeps when the traces are
+scaled differently or more or fewer conversations are in flight.
+
+Why: at 0.83x a single workload's figure moves by about 0.01 with small
+changes of policy that shift which conversation a peak round cuts (a whole
+resume of 4-7k tokens). A change is kept only when it holds across shapes.
+Each shape is ``TOKENS_PER_IDxIN_FLIGHT`` (the plan's is ``8x4``); budgets
+are multiples of that shape's own largest live working set, as in
+``e2e_pressure.py``. Outputs are not compared here (no caching-off run):
+that is ``e2e_pressure.py``'s job.
+
+    python3 benchmarks/e2e_pressure_sweep.py \\
+        --shapes 8x4,6x4,10x4,8x3,8x5 --pool-multiples 0.83,1.25 \\
+        --policies native,attention-control,plugin,plugin-hits-first \\
+        --json benchmarks/results/e2e_pressure_sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import e2e_pressure as E  # noqa: E402
+
+GEOMETRY = "small-block"
+
+
+def parse_shapes(raw: str) -> list[tuple[int, int]]:
+    shapes = []
+    for item in filter(None, raw.split(",")):
+        tokens_per_id, _, in_flight = item.partition("x")
+        shapes.append((int(tokens_per_id), int(in_flight)))
+    return shapes
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="8x4,6x4,10x4,8x3,8x5",
+                    help="comma list of TOKENS_PER_IDxIN_FLIGHT")
+    ap.add_argument("--pool-multiples", default="0.83,1.25")
+    ap.add_argument("--policies", default="native,attention-control,plugin,plugin-hits-first")
+    ap.add_argument("--traces-fitting", type=int, default=64000)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    policies = args.policies.split(",")
+    # vLLM loads plugins once per process: the plugin's runs come last
+    policies.sort(key=lambda p: p in E.PLUGIN_POLICIES)
+    multiples = [float(m) for m in args.pool_multiples.split(",")]
+    paths = E.traces_fitting(args.traces_fitting)
+    block_size = E.GEOMETRIES[GEOMETRY]["block_size"]
+    rows = []
+    t0 = time.monotonic()
+    for tokens_per_id, in_flight in parse_shapes(args.shapes):
+        convs = E.build_workload(paths, 0, 256, None, tokens_per_id)
+        rounds = E.lockstep_rounds(convs, in_flight)
+        sent = E.send_order(convs, rounds)
+        oracle = sum(E.oracle_reusable(sent, [len(r) for r in rounds]))
+        ws, one = E.working_set(convs, rounds, block_size)
+        max_model_len = E.model_len_for(sent, block_size)
+        for policy in policies:
+            for m in multiples:
+                blocks = E.budget_blocks(m, ws, one)
+                run = E.run_policy(policy, convs, rounds, blocks, max_model_len, GEOMETRY)
+                cached = sum(run["cached"])
+                rows.append({"shape": f"{tokens_per_id}x{in_flight}", "multiple": m,
+                             "policy": policy, "num_blocks": blocks, "cached_tokens": cached,
+                             "oracle_tokens": oracle, "ratio": round(cached / oracle, 4)})
+                print(f"{tokens_per_id}x{in_flight} {m:>5} {policy:<20} blocks {blocks:>5} "
+                      f"cached {cached:>9,} / {oracle:,} = {cached / oracle:.4f}", flush=True)
+    shapes = sorted({r["shape"] for r in rows}, key=lambda s: args.shapes.split(",").index(s))
+    print(f"\n{'multiple':>8} {'policy':<20} " + " ".join(f"{s:>7}" for s in shapes) + "    mean")
+    for m in multiples:
+        for policy in policies:
+            vals = [next(r["ratio"] for r in rows if r["shape"] == s and r["multiple"] == m
+                         and r["policy"] == policy) for s in shapes]
+            print(f"{m:>8} {policy:<20} " + " ".join(f"{v:7.4f}" for v in vals)
+                  + f"  {sum(vals) / len(vals):.4f}")
+    print(f"elapsed: {time.monotonic() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
