@@ -550,6 +550,25 @@ def send_order(convs, rounds) -> list[list[int]]:
     return [convs[c]["prompts"][i] for rnd in rounds for c, i in rnd]
 
 
+class LockstepWorkload(NamedTuple):
+    """What a run of `convs` in lock-step rounds needs to know up front."""
+
+    rounds: list
+    sent: list             # the prompts, in send order
+    oracle: list           # per prompt: reusable from earlier rounds
+    working_set: int       # largest live working set, in blocks
+    single_request: int    # largest single request, in blocks
+    max_model_len: int
+
+
+def lockstep_workload(convs, in_flight: int, block_size: int) -> LockstepWorkload:
+    rounds = lockstep_rounds(convs, in_flight)
+    sent = send_order(convs, rounds)
+    ws, one = working_set(convs, rounds, block_size)
+    return LockstepWorkload(rounds, sent, oracle_reusable(sent, [len(r) for r in rounds]),
+                            ws, one, model_len_for(sent, block_size))
+
+
 # ---------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------
@@ -604,15 +623,11 @@ def main(argv: list[str] | None = None) -> int:
     if not convs:
         print("no request fits --max-prompt", file=sys.stderr)
         return 2
-    rounds = lockstep_rounds(convs, args.in_flight)
-    sent = send_order(convs, rounds)
-    oracle = oracle_reusable(sent, [len(r) for r in rounds])
+    rounds, sent, oracle, ws, one, max_model_len = lockstep_workload(convs, args.in_flight, block)
     oracle_any_order = oracle_reusable(sent)
     # what a paged cache can hold of it: whole blocks
     oracle_blocks = sum(n // block * block for n in oracle)
-    ws, one = working_set(convs, rounds, block)
     max_len = max(len(p) for p in sent)
-    max_model_len = model_len_for(sent, block)
     print(f"workload: {len(convs)} conversations, {len(sent)} requests in {len(rounds)} rounds "
           f"(in-flight {args.in_flight}), {sum(map(len, sent))} prompt tokens, max prompt {max_len}; "
           f"oracle reusable {sum(oracle)} tokens ({sum(oracle_any_order)} counting same-round "

@@ -59,15 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     for tokens_per_id, in_flight in parse_shapes(args.shapes):
         convs = E.build_workload(paths, 0, 256, None, tokens_per_id)
-        rounds = E.lockstep_rounds(convs, in_flight)
-        sent = E.send_order(convs, rounds)
-        oracle = sum(E.oracle_reusable(sent, [len(r) for r in rounds]))
-        ws, one = E.working_set(convs, rounds, block_size)
-        max_model_len = E.model_len_for(sent, block_size)
+        w = E.lockstep_workload(convs, in_flight, block_size)
+        oracle = sum(w.oracle)
         for policy in policies:
             for m in multiples:
-                blocks = E.budget_blocks(m, ws, one)
-                run = E.run_policy(policy, convs, rounds, blocks, max_model_len, GEOMETRY)
+                blocks = E.budget_blocks(m, w.working_set, w.single_request)
+                run = E.run_policy(policy, convs, w.rounds, blocks, w.max_model_len, GEOMETRY)
                 cached = sum(run["cached"])
                 rows.append({"shape": f"{tokens_per_id}x{in_flight}", "multiple": m,
                              "policy": policy, "num_blocks": blocks, "cached_tokens": cached,
