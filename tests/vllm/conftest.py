@@ -9,7 +9,7 @@ from scheduler_bench_module import load_scheduler_bench
 
 
 @pytest.fixture
-def serve(monkeypatch):
+def plugin_scheduler(monkeypatch):
     """(scheduler, submit, step) for the plugin policy of the scheduler bench."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name

@@ -49,8 +49,8 @@ def _run_first_turn(sched, submit, step):
     return prompt, hashes, seen_mid_decode
 
 
-def test_the_prompt_end_state_is_held_while_the_request_decodes(serve):
-    sched, submit, step = serve
+def test_the_prompt_end_state_is_held_while_the_request_decodes(plugin_scheduler):
+    sched, submit, step = plugin_scheduler
     prompt, hashes, (pos, mid) = _run_first_turn(sched, submit, step)
     assert pos == 2944
     # mid-decode: indexed, one page per state group, each held by the request
@@ -65,10 +65,10 @@ def test_the_prompt_end_state_is_held_while_the_request_decodes(serve):
     assert step() == {"turn-2": 2944}
 
 
-def test_without_the_hold_vllm_gives_the_page_back_during_the_decode(serve, monkeypatch):
+def test_without_the_hold_vllm_gives_the_page_back_during_the_decode(plugin_scheduler, monkeypatch):
     """The counterfactual: what the hold changes."""
     monkeypatch.setattr(AtomSchedulerMixin, "_hold_prompt_end_states", lambda self: None)
-    sched, submit, step = serve
+    sched, submit, step = plugin_scheduler
     _, _, (pos, mid) = _run_first_turn(sched, submit, step)
     assert pos == 2944 and mid is not None
     assert [refs for _, refs, _ in mid] == [0, 0, 0]   # in the LRU while the request runs

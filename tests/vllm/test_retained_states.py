@@ -87,8 +87,8 @@ def _retained(sched, hashes, anchors, last_release):
     return retained, at
 
 
-def test_recent_turns_anchors_leave_with_the_prefix_on_release(serve, monkeypatch):
-    sched, submit, step = serve
+def test_recent_turns_anchors_leave_with_the_prefix_on_release(plugin_scheduler, monkeypatch):
+    sched, submit, step = plugin_scheduler
     calls = _spy_releases(sched, monkeypatch)
     assert sched._atom.placement.retain_fractions == (0.5, 0.75, 0.875, 0.94)
     hashes, end, anchors = _serve_conversation(sched, submit, step)
@@ -102,11 +102,11 @@ def test_recent_turns_anchors_leave_with_the_prefix_on_release(serve, monkeypatc
     assert max(i for p, i in at.items() if p not in retained) < min(at[p] for p in retained)
 
 
-def test_the_old_fractions_left_recent_anchors_to_age(serve, monkeypatch):
+def test_the_old_fractions_left_recent_anchors_to_age(plugin_scheduler, monkeypatch):
     """The counterfactual: with the fallback fractions the release used
     before (0.5, 0.85), the anchors of the turns between 0.5 and the
     resume point (6,272, 7,616) are not taken back."""
-    sched, submit, step = serve
+    sched, submit, step = plugin_scheduler
     monkeypatch.setattr(sched._atom, "placement",
                         PlacementConfig(retain_fractions=(0.5, 0.85)))
     calls = _spy_releases(sched, monkeypatch)
