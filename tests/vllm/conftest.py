@@ -9,13 +9,17 @@ from scheduler_bench_module import load_scheduler_bench
 
 
 @pytest.fixture
-def plugin_scheduler(monkeypatch):
-    """(scheduler, submit, step) for the plugin policy of the scheduler bench."""
-    from vllm.sampling_params import SamplingParams
+def plugin_scheduler(make_plugin_scheduler):
+    """(scheduler, submit, step) for the plugin policy of the scheduler bench,
+    two requests in flight and a 2.5 GiB pool (91 blocks)."""
+    return make_plugin_scheduler()
+
+
+@pytest.fixture
+def make_plugin_scheduler(monkeypatch):
+    """make(budget_gib=2.5) -> (scheduler, submit, step), see plugin_scheduler."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
-    from vllm.v1.request import Request
 
     SB = load_scheduler_bench()
     spec_cls, sched_cls, register = SB.load_plugin()
@@ -23,12 +27,24 @@ def plugin_scheduler(monkeypatch):
     policy = SB.POLICIES["plugin"]
     for k, v in {**SB.CLI_ENV, **dict(policy.env)}.items():
         monkeypatch.setenv(k, v)
-    built = SB.build_configs(policy, concurrency=2, budget_bytes=int(2.5 * SB.GIB),
-                             max_model_len=32_768, mamba_spec_cls=spec_cls)
-    sched = SB.make_scheduler(built, sched_cls)
-    hash_fn = get_hash_fn_by_name(built.vllm_config.cache_config.prefix_caching_hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(built.hash_block_size, hash_fn)
+
+    def make(budget_gib: float = 2.5):
+        built = SB.build_configs(policy, concurrency=2, budget_bytes=int(budget_gib * SB.GIB),
+                                 max_model_len=32_768, mamba_spec_cls=spec_cls)
+        sched = SB.make_scheduler(built, sched_cls)
+        hash_fn = get_hash_fn_by_name(built.vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        hasher = get_request_block_hasher(built.hash_block_size, hash_fn)
+        return sched, *_driver(sched, hasher)
+
+    return make
+
+
+def _driver(sched, hasher):
+    """(submit, step) driving `sched` with synthetic model outputs."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
 
     def submit(rid: str, tokens: list, max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -46,4 +62,4 @@ def plugin_scheduler(monkeypatch):
             sampled_token_ids=sampled))
         return {n.req_id: n.num_computed_tokens for n in out.scheduled_new_reqs}
 
-    return sched, submit, step
+    return submit, step

@@ -24,10 +24,13 @@ DECODE = 4
 TURNS = 12
 
 
-def _serve_conversation(sched, submit, step):
+PAGE_ALIGNED_ENDS = [448 * (8 + t) for t in range(TURNS)]
+
+
+def _serve_conversation(sched, submit, step, ends=PAGE_ALIGNED_ENDS):
     """Turn t's prompt is turn t-1's prompt, its answer and new tokens, with
-    448 * (8 + t) + 1 tokens, so its prompt-end state sits on a state page
-    boundary (448 * (8 + t)): the release's search looks page by page.
+    ends[t] + 1 tokens, so its prompt-end state (vLLM keeps it at the last
+    hash boundary before the last token) sits at ends[t].
     Returns (the last request's block hashes, its computed tokens,
     {prompt-end position: turn})."""
     page = sched._atom.block_size
@@ -35,8 +38,8 @@ def _serve_conversation(sched, submit, step):
     rng = random.Random(1)
     prompt: list = []
     anchors = {}
-    for t in range(TURNS):
-        length = page * (8 + t) + 1
+    for t, prompt_end in enumerate(ends):
+        length = prompt_end + 1
         prompt = prompt + [rng.randrange(1, 30000) for _ in range(length - len(prompt))]
         rid = f"turn-{t}"
         submit(rid, prompt, DECODE)
@@ -46,8 +49,8 @@ def _serve_conversation(sched, submit, step):
             first = step().get(rid, first)
             end = request.num_computed_tokens
         # each turn resumes at the previous turn's prompt end
-        assert first == (page * (7 + t) if t else 0)
-        anchors[page * (8 + t)] = t
+        assert first == (ends[t - 1] if t else 0)
+        anchors[prompt_end] = t
         prompt = prompt + [7] * DECODE
     return request.block_hashes, end, anchors
 
@@ -113,3 +116,34 @@ def test_the_old_fractions_left_recent_anchors_to_age(plugin_scheduler, monkeypa
     hashes, _, anchors = _serve_conversation(sched, submit, step)
     retained, _ = _retained(sched, hashes, anchors, calls[-1])
     assert retained == [4032, 7168, 8064, 8512]
+
+
+# Prompt ends between state pages: 448 * (8 + t) + 64 * (1 + t % 6), never
+# a multiple of 448.
+UNALIGNED_ENDS = [448 * (8 + t) + 64 * (1 + t % 6) for t in range(TURNS)]
+
+
+def test_anchors_between_pages_are_found(make_plugin_scheduler, monkeypatch):
+    """vLLM keeps prompt-end states on hash-unit boundaries (64 tokens), and
+    the pages are 448 tokens: the release's search must step by the unit.
+    Stepping by page (as it first did) finds only the page-boundary states
+    vLLM writes at chunk ends, up to a page below each fraction. (A 4 GiB
+    pool: at 2.5 GiB two of these anchors are evicted before the last turn.)"""
+    sched, submit, step = make_plugin_scheduler(budget_gib=4)
+    calls = _spy_releases(sched, monkeypatch)
+    hashes, end, anchors = _serve_conversation(sched, submit, step, UNALIGNED_ENDS)
+    assert sorted(anchors) == [3648, 4160, 4672, 5184, 5696, 6208,
+                               6336, 6848, 7360, 7872, 8384, 8896]
+    assert end == 8896 + 1 + DECODE - 1
+    pool = sched.kv_cache_manager.block_pool
+    states = [p for p in range(64, end, 64) if pool.get_cached_block(
+        hashes[p // 64 - 1], sched._atom_state_groups) is not None]
+    # the prompt ends and the page boundaries that prefill chunks ended on
+    assert states == sorted([*anchors, *(448 * k for k in range(8, 20))])
+    retained, at = _retained(sched, hashes, dict.fromkeys(states), calls[-1])
+    # of 8,900 tokens: 0.5 -> 4,450 -> anchor 4,160 (page 4,032 below it);
+    # 0.75 -> 6,675 -> anchor 6,336; 0.875 -> 7,787 -> page 7,616 (anchor
+    # 7,360 below it); 0.94 -> 8,366 -> page 8,064; the state it resumed
+    # from (8,384) and its own prompt end (8,896)
+    assert retained == [4160, 6336, 7616, 8064, 8384, 8896]
+    assert max(i for p, i in at.items() if p not in retained) < min(at[p] for p in retained)
