@@ -1,0 +1,103 @@
+"""The release's search for kept states (`AtomScheduler._highest_states_at_or_below`)
+against a plain statement of what it looks at, on random pools (real vLLM
+BlockPool and prefix index; no scheduler, no model).
+
+For each top: every hash unit from the top down to one page below it, then
+the page boundaries below that, at most `max_pages` pages under the top; the
+answer is the first of these where every state group indexes a state of
+exactly that length. Each answer once, highest first."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
+
+from atom_hybrid_cache.vllm.scheduler import AtomSchedulerMixin  # noqa: E402
+
+GROUPS = [1, 2, 3]
+H = 64
+
+
+class ReleaseSearch(AtomSchedulerMixin):
+    """The mixin's search methods over a bare pool."""
+
+    def __init__(self, pool: BlockPool, page: int) -> None:
+        self.hash_block_size = H
+        self._atom = SimpleNamespace(block_size=page)
+        self._atom_state_groups = GROUPS
+        self.kv_cache_manager = SimpleNamespace(block_pool=pool)
+
+
+def pool_with_states(rng, hashes, num_states: int) -> tuple[BlockPool, set]:
+    """States at random unit boundaries of `hashes`; some in only part of
+    the groups (evicted from the others), some filed under a length that
+    is not their position (another prompt's page under the same hash).
+    Returns the pool and the positions every group holds correctly."""
+    pool = BlockPool(num_gpu_blocks=4 * num_states + 8, enable_caching=True, hash_block_size=H)
+    full = set()
+    for i in rng.sample(range(len(hashes)), num_states):
+        pos = (i + 1) * H
+        roll = rng.random()
+        groups = GROUPS if roll < 0.8 else rng.sample(GROUPS, rng.randint(1, 2))
+        length = pos if roll < 0.7 or roll >= 0.8 else pos + H
+        for g, block in zip(groups, pool.get_new_blocks(len(groups))):
+            block._block_hash_num_tokens = length
+            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], g),
+                                                   block)
+        if groups == GROUPS and length == pos:
+            full.add(pos)
+    return pool, full
+
+
+def stated(tops, full: set, page: int, max_pages: int) -> list[int]:
+    answers = set()
+    for top in tops:
+        if top < H:
+            continue
+        top = top // H * H
+        units = range(top, max(0, top - page) - 1, -H)
+        pages = range((top - page - 1) // page * page, max(0, top - max_pages * page) - 1, -page)
+        looked = [p for p in [*units, *pages] if 0 < p and p >= top - max_pages * page]
+        answers.update(next(([p] for p in looked if p in full), []))
+    return sorted(answers, reverse=True)
+
+
+@pytest.mark.parametrize("page", [448, 128, 64])
+def test_the_search_finds_what_it_says_on_random_pools(page):
+    rng = random.Random(page)
+    for case in range(400):
+        hashes = [rng.randbytes(32) for _ in range(rng.randint(1, 150))]
+        pool, full = pool_with_states(rng, hashes, rng.randint(0, min(len(hashes), 20)))
+        end = H * len(hashes) + rng.randint(0, H - 1)
+        tops = [rng.randint(0, end) for _ in range(rng.randint(0, 6))]
+        max_pages = rng.choice([0, 1, 3, 64])
+        got = ReleaseSearch(pool, page)._highest_states_at_or_below(
+            SimpleNamespace(block_hashes=hashes), tops, max_pages)
+        assert [pos for pos, _ in got] == stated(tops, full, page, max_pages), case
+        for pos, blocks in got:
+            assert sorted(b.block_hash_num_tokens for b in blocks) == [pos] * len(GROUPS)
+
+
+def test_an_anchor_between_pages_is_found_below_its_top():
+    # pages of 448, a state at 8,384 (= 448 * 18 + 320) and one at the
+    # page boundary 8,064 under it: a top of 8,400 gets 8,384
+    hashes = [bytes([i % 256, i // 256]) * 16 for i in range(200)]
+    pool = BlockPool(num_gpu_blocks=16, enable_caching=True, hash_block_size=H)
+    for pos in (8064, 8384):
+        for g, block in zip(GROUPS, pool.get_new_blocks(3)):
+            block._block_hash_num_tokens = pos
+            pool.cached_block_hash_to_block.insert(
+                make_block_hash_with_group_id(hashes[pos // H - 1], g), block)
+    search = ReleaseSearch(pool, 448)
+    request = SimpleNamespace(block_hashes=hashes)
+    assert [p for p, _ in search._highest_states_at_or_below(request, [8400])] == [8384]
+    # a top more than a page above the anchor sees page boundaries only
+    assert [p for p, _ in search._highest_states_at_or_below(request, [8900])] == [8064]
+    assert [p for p, _ in search._highest_states_at_or_below(request, [8400, 8900])] == [8384, 8064]
