@@ -159,3 +159,33 @@ def test_checkpoint_targets_add_and_pop_through_order():
     assert t.pop_through(40) == []
     assert t.pop_through(48) == [(48, "ladder")]
     assert len(t) == 0 and t.kinds == {}
+
+
+# -- cold-prompt checkpoints ----------------------------------------------
+
+def _cold_targets(L, hit, **placement):
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.placement import plan_checkpoints
+
+    t = plan_checkpoints(L, 32, hit=hit, compressed=hit, reusable=hit, kv_share_tokens=1 << 20,
+                         placement=PlacementConfig(**placement), successor_room=1, interval=-1)
+    return dict(t.kinds)
+
+
+def test_a_cold_prompt_keeps_a_checkpoint_at_each_cold_fraction():
+    # a conversation's first prompt, 2,408 tokens: 0.875 of it is 2,107,
+    # floored to the 32-token block; the anchor sits at the last block
+    assert _cold_targets(2408, 0, cold_fractions=(0.875,)) == {2080: "fallback", 2400: "anchor"}
+    assert _cold_targets(2408, 0, cold_fractions=(0.5, 0.875)) == {
+        1184: "fallback", 2080: "fallback", 2400: "anchor"}
+    # resumed below half its length (a restart after a cut): still cold
+    assert _cold_targets(2408, 1184, cold_fractions=(0.875,)) == {2080: "fallback", 2400: "anchor"}
+
+
+def test_a_warm_prompt_or_the_default_keeps_none():
+    # the next turn resumes at the first one's end: not cold
+    assert _cold_targets(2543, 2400, cold_fractions=(0.875,)) == {2528: "anchor"}
+    # resumed at exactly half: not cold either
+    assert _cold_targets(2400, 1200, cold_fractions=(0.875,)) == {2368: "anchor"}
+    # off by default
+    assert _cold_targets(2408, 0) == {2400: "anchor"}

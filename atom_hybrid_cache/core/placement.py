@@ -113,6 +113,10 @@ class CheckpointTargets:
 # conversation ask for the same positions instead of writing new ones.
 FALLBACK_GRID_TOKENS = 4096
 
+# A prompt resumed below this fraction of its length counts as cold for
+# `PlacementConfig.cold_fractions`.
+COLD_PROMPT_MAX_HIT_FRACTION = 0.5
+
 
 def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: int,
                      reusable: int, kv_share_tokens: int, placement, successor_room: int,
@@ -158,6 +162,13 @@ def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: 
         for f in p.fallback_fractions:
             pos = int(kv_share_tokens * f) // grid * grid
             if hit < pos < (anchor or L - successor_room):
+                t.add(pos, "fallback")
+    if hit < L * COLD_PROMPT_MAX_HIT_FRACTION:
+        # A conversation's start: until it grows, a cut needs a state lower
+        # than its next turns' anchors.
+        for f in p.cold_fractions:
+            pos = int(L * f) // B * B
+            if hit < pos < L - successor_room:
                 t.add(pos, "fallback")
     for pos in ladder_positions(hit, L - successor_room, interval):
         t.add(pos, "ladder")

@@ -133,6 +133,7 @@ def test_admissions_feed_the_core_stats_and_its_log_lines():
 
 @pytest.mark.parametrize("bad", ["ATOM_STATE_CHECKPOINT_SLOTS=-1", "ATOM_STATE_CHECKPOINT_CUT_BACKOFF=1.5",
                                  "ATOM_STATE_CHECKPOINT_FALLBACK=x", "ATOM_STATE_CHECKPOINT_RETAIN=0.5,1.0",
+                                 "ATOM_STATE_CHECKPOINT_COLD=0.875,1",
                                  "ATOM_INTERIOR_CHECKPOINTS=auto", "ATOM_ADMISSION_ORDER=lifo"])
 def test_new_settings_are_validated_with_their_names(bad):
     from atom_hybrid_cache.config import CacheConfig, ConfigError, apply_env
@@ -140,3 +141,20 @@ def test_new_settings_are_validated_with_their_names(bad):
     with pytest.raises(ConfigError) as e:
         apply_env(CacheConfig(), {var: raw})
     assert var in str(e.value)
+
+
+def test_cold_fractions_reach_the_chunk_stops():
+    # ATOM_STATE_CHECKPOINT_COLD, read as the scheduler reads it, puts a
+    # chunk stop at 0.875 of a first prompt (1,500 tokens: 1,312 -> 1,280);
+    # the next turn, resumed at its end, gets none
+    from atom_hybrid_cache.config import CacheConfig, apply_env
+
+    placement = apply_env(CacheConfig(), {"ATOM_STATE_CHECKPOINT_COLD": "0.875"}).placement
+    assert placement.cold_fractions == (0.875,)
+    p = CheckpointPlanner(placement, block_size=128, hash_block_size=64, kv_share_tokens=1 << 20,
+                          stats_log_interval=0, log=lambda m: None)
+    p.plan("first", 1500, [f"h{i}" for i in range(23)], hit=0, compressed=0)
+    assert p.plans["first"].kinds == {1280: "fallback"}
+    assert p.chunk_stop("first", 0, 1500) == 1280
+    p.plan("next", 1700, [f"h{i}" for i in range(26)], hit=1472, compressed=1472)
+    assert p.plans["next"].kinds == {}
