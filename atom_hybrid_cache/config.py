@@ -131,6 +131,12 @@ def _one_of(name: str, v, choices: tuple) -> None:
         raise ConfigError(f"{name} must be one of {choices}, got {v!r}")
 
 
+def _fractions(name: str, values: tuple) -> None:
+    for f in values:
+        if not 0.0 < f < 1.0:
+            raise ConfigError(f"{name} fractions must be in (0, 1), got {f!r}")
+
+
 def validate(cfg: CacheConfig) -> None:
     _positive("block_size", cfg.block_size)
     if cfg.num_kv_blocks < 2:
@@ -151,15 +157,9 @@ def validate(cfg: CacheConfig) -> None:
     for f in p.cut_backoffs:
         if not 0.0 <= f < 1.0:
             raise ConfigError(f"state_checkpoint_cut_backoff fractions must be in [0, 1), got {f!r}")
-    for f in p.fallback_fractions:
-        if not 0.0 < f < 1.0:
-            raise ConfigError(f"state_checkpoint_fallback fractions must be in (0, 1), got {f!r}")
-    for f in p.retain_fractions:
-        if not 0.0 < f < 1.0:
-            raise ConfigError(f"state_checkpoint_retain fractions must be in (0, 1), got {f!r}")
-    for f in p.cold_fractions:
-        if not 0.0 < f < 1.0:
-            raise ConfigError(f"state_checkpoint_cold fractions must be in (0, 1), got {f!r}")
+    _fractions("state_checkpoint_fallback", p.fallback_fractions)
+    _fractions("state_checkpoint_retain", p.retain_fractions)
+    _fractions("state_checkpoint_cold", p.cold_fractions)
     _non_negative("protected_per_seq", p.protected_per_seq)
     _non_negative("state_checkpoint_insure_tokens", p.insure_recompute_tokens)
     _non_negative("state_checkpoint_insure_distance", p.insure_distance_tokens)

@@ -40,7 +40,8 @@ from .state_manager import AtomStateManager, prefix_index_key_suffix
 
 logger = logging.getLogger("atom_hybrid_cache")
 
-# How far down (in state pages) a fallback state is looked for on release.
+# How far below each retain fraction (in state pages) a state is looked for
+# on release.
 STATE_SEARCH_PAGES = 64
 
 
