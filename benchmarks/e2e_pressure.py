@@ -698,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     block = GEOMETRIES[args.geometry]["block_size"]
     if args.scheduler_only and "plugin-zeroed-states" in args.policies.split(","):
-        ap.error("plugin-zeroed-states changes outputs only: it means nothing with --scheduler-only")
+        ap.error("plugin-zeroed-states changes outputs only: "
+                 "it means nothing with --scheduler-only")
 
     t_start = time.monotonic()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
