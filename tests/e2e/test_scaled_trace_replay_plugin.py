@@ -19,7 +19,9 @@ Asserted:
   deterministic);
 * every greedy output the plugin changes against caching off was a
   near-tie there (caching off's top-2 logprob margin <= NEAR_TIE), and no
-  output token's logprob moves by more than LOGPROB_TOL. On prompts this
+  output token's logprob moves by more than a third of what zeroed states
+  move it (0.225 against 1.52 with AVX-512; 0.361 on an AVX2-only CPU, where
+  bf16 is emulated). On prompts this
   long no caching policy keeps every output, vLLM's own included (native
   changes 10 here, one of them where caching off was decisive), and caching
   off with another prefill step size changes 3 (BENCHMARKS.md);
@@ -45,7 +47,9 @@ PLUGIN_CACHED = 783_360   # 781,152 before the release kept states at the retain
 # 0.0625; on the ones zeroed states change it reaches 0.94.
 NEAR_TIE = 0.1
 # Another chunking (or resume point) moves an output logprob by up to 0.23
-# on these prompts (native and plugin alike); zeroed states by 1.52.
+# on these prompts with AVX-512 (native and plugin alike), 0.36 where bf16
+# is emulated; zeroed states by 1.52: the sabotage must move it by more
+# than three times this.
 LOGPROB_TOL = 0.3
 
 
@@ -77,13 +81,16 @@ def test_plugin_on_the_scaled_plan_workload(monkeypatch, pressure_bench,
     assert not plugin_decisive, f"plugin changes outputs where caching off was decisive: " \
                                 f"{[(j, off['margins'][j]) for j in plugin_decisive]}"
     gap = E.max_logprob_gap(runs["plugin"]["logprobs"], off["logprobs"])
-    assert gap <= LOGPROB_TOL, gap
+    zeroed_gap = E.max_logprob_gap(runs["plugin-zeroed-states"]["logprobs"], off["logprobs"])
+    # a third of what wrong (zeroed) states move: 0.225 against 1.52 with
+    # AVX-512; 0.361 with bf16 emulated on an AVX2-only CPU
+    assert gap <= zeroed_gap / 3, (gap, zeroed_gap)
 
     # the checks above can fail: the same resumes from zeroed states
     zeroed = runs["plugin-zeroed-states"]
     assert zeroed["cached"] == runs["plugin"]["cached"]
     assert len(changed["plugin-zeroed-states"]) > len(sent) // 2, len(changed["plugin-zeroed-states"])
     assert max(off["margins"][j] for j in changed["plugin-zeroed-states"]) > 5 * NEAR_TIE
-    assert E.max_logprob_gap(zeroed["logprobs"], off["logprobs"]) > 3 * LOGPROB_TOL
+    assert zeroed_gap > 3 * LOGPROB_TOL
 
     assert sum(runs["plugin"]["cached"]) == PLUGIN_CACHED
