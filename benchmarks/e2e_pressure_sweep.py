@@ -90,27 +90,25 @@ def main(argv: list[str] | None = None) -> int:
             convs = E.build_workload(group, 0, 256, None, tokens_per_id)
             w = E.lockstep_workload(convs, in_flight, block_size)
             oracle = sum(w.oracle)
+            budgets = {m: E.budget_blocks(m, w.working_set, w.single_request)
+                       for m in multiples}
+
+            def record(m, policy, cached):
+                rows.append({"shape": shape, "multiple": m, "policy": policy,
+                             "num_blocks": budgets[m], "cached_tokens": cached,
+                             "oracle_tokens": oracle, "ratio": round(cached / oracle, 4)})
+                print(f"{shape} {m:>5} {policy:<20} blocks {budgets[m]:>5} "
+                      f"cached {cached:>9,} / {oracle:,} = {cached / oracle:.4f}", flush=True)
+
             for m in multiples:
-                blocks = E.budget_blocks(m, w.working_set, w.single_request)
-                bound = E.paged_reuse_bound(w.sent, w.oracle, [len(r) for r in w.rounds],
-                                            block_size, blocks - 1)   # -1: the null block
-                rows.append({"shape": shape, "multiple": m, "policy": BOUND,
-                             "num_blocks": blocks, "cached_tokens": bound,
-                             "oracle_tokens": oracle, "ratio": round(bound / oracle, 4)})
-                print(f"{shape} {m:>5} {BOUND:<20} blocks {blocks:>5} "
-                      f"cached {bound:>9,} / {oracle:,} = {bound / oracle:.4f}", flush=True)
+                record(m, BOUND, E.paged_reuse_bound(w.sent, w.oracle,
+                                                     [len(r) for r in w.rounds], block_size,
+                                                     budgets[m] - 1))   # -1: the null block
             for policy in policies:
                 for m in multiples:
-                    blocks = E.budget_blocks(m, w.working_set, w.single_request)
-                    run = E.run_policy(policy, convs, w.rounds, blocks, w.max_model_len,
+                    run = E.run_policy(policy, convs, w.rounds, budgets[m], w.max_model_len,
                                        GEOMETRY, scheduler_only=args.scheduler_only)
-                    cached = sum(run["cached"])
-                    rows.append({"shape": shape, "multiple": m, "policy": policy,
-                                 "num_blocks": blocks, "cached_tokens": cached,
-                                 "oracle_tokens": oracle, "ratio": round(cached / oracle, 4)})
-                    print(f"{shape} {m:>5} {policy:<20} blocks {blocks:>5} "
-                          f"cached {cached:>9,} / {oracle:,} = {cached / oracle:.4f}",
-                          flush=True)
+                    record(m, policy, sum(run["cached"]))
     print(f"\n{'multiple':>8} {'policy':<20} " + " ".join(f"{s:>7}" for s in shapes) + "    mean")
     for m in multiples:
         for policy in [BOUND] + policies:
