@@ -25,6 +25,9 @@ Fixtures:
   made is shut down when the test ends.
 * ``tiny_llm`` (module): one in-process ``vllm.LLM`` with ``LLM_KWARGS``,
   shared by the tests of a module.
+* ``pressure_bench`` (session): ``benchmarks/e2e_pressure.py`` as a module;
+  ``elided_workload`` and ``scaled_plan_workload`` (session): the two trace
+  workloads of its replay tests, built once.
 
 Start-up measured on the 2-core machine (loaded by other work): import vllm
 15-20 s, then ``LLM()`` 5-7 s in-process (35-50 s with the engine-core
@@ -179,6 +182,20 @@ def pressure_bench():
     sys.modules.setdefault("e2e_pressure", mod)
     spec.loader.exec_module(mod)
     return mod
+
+
+@pytest.fixture(scope="session")
+def elided_workload(pressure_bench):
+    """The bench's default workload: its 4 short cc traces, prompts capped
+    at 2,000 tokens (ELIDE rule), 4 conversations in flight, 128-token
+    blocks: ``(convs, LockstepWorkload)``."""
+    E = pressure_bench
+    try:
+        paths = E.resolve_trace_paths(None)
+    except FileNotFoundError as exc:
+        pytest.skip(f"shared cc traces not available: {exc}")
+    convs = E.build_workload(paths, 2000)
+    return convs, E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
 
 
 @pytest.fixture(scope="session")

