@@ -15,6 +15,7 @@ from typing import Callable, Mapping, Optional
 EVICTION_POLICIES = ("reuse-aware", "lru")
 INTERIOR_CHECKPOINT_MODES = ("off", "on")
 ADMISSION_ORDERS = ("arrival", "hits-first")
+ADMISSION_GATE_MODES = ("off", "on")
 
 # Checkpoint-only slots per request slot when state_checkpoint_slots is not
 # set: room for each conversation's anchor, its insurance one block lower,
@@ -94,6 +95,9 @@ class CacheConfig:
     # vLLM plugin: "hits-first" admits the waiting requests that resume on a
     # cached prefix first (largest hit first); "arrival" keeps vLLM's order
     admission_order: str = "arrival"
+    # vLLM plugin: "on" holds a waiting request whose prefill would evict the
+    # cached prefixes of the requests waiting with it (see AdmissionGate)
+    admission_gate: str = "off"
     stats_log_interval: int = 0
     strict_stats: bool = False
     # Replay only: a free state at every block boundary, i.e. an
@@ -147,6 +151,7 @@ def validate(cfg: CacheConfig) -> None:
     _positive("successor_room", cfg.successor_room)
     _non_negative("stats_log_interval", cfg.stats_log_interval)
     _one_of("admission_order", cfg.admission_order, ADMISSION_ORDERS)
+    _one_of("admission_gate", cfg.admission_gate, ADMISSION_GATE_MODES)
     _one_of("interior_checkpoints", cfg.interior_checkpoints, INTERIOR_CHECKPOINT_MODES)
     p = cfg.placement
     if not isinstance(p.interval_tokens, int) or p.interval_tokens < -1:
@@ -251,6 +256,11 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "cache", "admission_order", _parse_choice(ADMISSION_ORDERS),
         "hits-first: among the first max_num_seqs waiting requests, admit those that resume on a "
         "cached prefix first, largest hit first; arrival: vLLM's order"),
+    "ATOM_ADMISSION_GATE": (
+        "cache", "admission_gate", _parse_choice(ADMISSION_GATE_MODES),
+        "on: a waiting request whose prefill would evict the cached prefixes of the requests "
+        "waiting with it waits for the running ones to finish, and those prefixes cannot be "
+        "evicted while a step is scheduled; off: vLLM's admission"),
     "ATOM_STATS_LOG_INTERVAL": (
         "cache", "stats_log_interval", _parse_int,
         "print the cache log lines every N admissions (0: never)"),

@@ -10,6 +10,9 @@ caching keep when the KV pool cannot hold every live conversation?
 ``ATOM_ADMISSION_ORDER=hits-first``, ``plugin-interior`` adds
 ``ATOM_INTERIOR_CHECKPOINTS=on`` (checkpoints written inside prefill forwards
 instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
+``plugin-gated`` adds ``ATOM_ADMISSION_GATE=on``, ``plugin-gated-hits-first``
+both admission settings; ``attention-control-gated`` is the attention-only
+control under ``AtomScheduler`` with the same gate (no plugin otherwise).
 ``plugin-zeroed-states`` is the plugin with every GDN state page zeroed
 between rounds (only when named): the sabotage that shows what a wrong
 resumed state does to the output checks.
@@ -186,10 +189,10 @@ DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 # Small default: short traces whose first requests survive the elide rule
 # (several turns each at 2000 tokens), so the run fits a 2-core machine.
 DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
-PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-interior", "plugin-interior-hits-first",
-                   "plugin-zeroed-states"]
+PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-gated", "plugin-gated-hits-first",
+                   "plugin-interior", "plugin-interior-hits-first", "plugin-zeroed-states"]
 POLICIES = ["off", "off-rechunked", "native", "native-pmu64", "native-dense", "attention-control",
-            *PLUGIN_POLICIES]
+            "attention-control-gated", *PLUGIN_POLICIES]
 # off-rechunked: caching off with half the prefill chunk. Its outputs differ
 # from off's only by another chunking's rounding: the noise floor that
 # "equal to the caching-off run" is read against.
@@ -409,12 +412,16 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     inside larger blocks; vLLM rejects it on a block of 64 or less (whose
     own hash unit is already that fine)."""
     fine_unit = {"prefix_match_unit": 64} if block_size > 64 else {}
+    os.environ.pop("ATOM_ADMISSION_GATE", None)   # set below for the gated policies
     if policy == "off":
         return {"enable_prefix_caching": False}
     if policy == "off-rechunked":
         return {"enable_prefix_caching": False, "max_num_batched_tokens": RECHUNKED_BATCHED_TOKENS}
     if policy in ("native", "attention-control"):
         return {}
+    if policy == "attention-control-gated":
+        os.environ["ATOM_ADMISSION_GATE"] = "on"
+        return {"scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     if policy == "native-pmu64":
         if not fine_unit:
             raise ValueError(f"native-pmu64 needs a block larger than 64 tokens, not {block_size}")
@@ -427,7 +434,8 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
         # vLLM's admission order); the suffixes switch one setting each
         for var, value in (("ATOM_INTERIOR_CHECKPOINTS", "on" if "interior" in policy else None),
                            ("ATOM_ADMISSION_ORDER",
-                            "hits-first" if policy.endswith("hits-first") else None)):
+                            "hits-first" if policy.endswith("hits-first") else None),
+                           ("ATOM_ADMISSION_GATE", "on" if "gated" in policy else None)):
             if value is None:
                 os.environ.pop(var, None)
             else:

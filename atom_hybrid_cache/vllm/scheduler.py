@@ -15,10 +15,12 @@ async scheduling is on). It overrides three scheduler steps and nothing else:
 - `schedule`: counts each admission for the stats lines; with
   `ATOM_ADMISSION_ORDER=hits-first` it first puts the waiting requests that
   can resume on a cached prefix ahead of those that cannot (see
-  `_order_waiting`).
+  `_order_waiting`); with `ATOM_ADMISSION_GATE=on` it holds those whose
+  prefill would evict the prefixes of the others (see `AdmissionGate`).
 
 Without `AtomStateManager` groups (plugin not enabled, a model without GDN
-layers, prefix caching off) it is vLLM's scheduler unchanged.
+layers, prefix caching off) it is vLLM's scheduler unchanged, except for the
+admission gate where `ATOM_ADMISSION_GATE=on` asks for it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import SERVER_STATS_LOG_INTERVAL, CacheConfig, apply_env
+from .admission_gate import AdmissionGate
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
 from .state_manager import AtomStateManager, prefix_index_key_suffix
@@ -47,9 +50,19 @@ STATE_SEARCH_PAGES = 64
 
 class AtomSchedulerMixin:
     _atom: Optional[CheckpointPlanner] = None
+    _atom_gate: Optional[AdmissionGate] = None
 
     def _atom_setup(self) -> None:
         self._atom = None
+        self._atom_gate = None
+        env_cfg = apply_env(CacheConfig(), os.environ)
+        if (env_cfg.admission_gate == "on" and self.cache_config.enable_prefix_caching
+                and isinstance(self.waiting, deque)):
+            # the gate needs no state groups: it also serves attention-only models
+            self._atom_gate = AdmissionGate()
+        elif env_cfg.admission_gate == "on":
+            logger.warning("atom_hybrid_cache: ATOM_ADMISSION_GATE=on needs prefix caching and "
+                           "vLLM's fcfs scheduling policy; the gate stays open")
         managers = self.kv_cache_manager.coordinator.single_type_managers
         state_groups = [g for g, m in enumerate(managers) if isinstance(m, AtomStateManager)]
         if not state_groups:
@@ -57,11 +70,12 @@ class AtomSchedulerMixin:
                 logger.warning("atom_hybrid_cache: AtomScheduler runs, but no state group uses "
                                "AtomStateManager (is VLLM_PLUGINS=atom_hybrid_cache set?): "
                                "vLLM's own hybrid caching is in charge")
+            if self._atom_gate is not None:
+                logger.info("atom_hybrid_cache scheduler: admission gate on (no state groups)")
             return
         first = managers[state_groups[0]]
         if not self.cache_config.enable_prefix_caching or first.mamba_cache_mode != "align":
             return
-        env_cfg = apply_env(CacheConfig(), os.environ)
         interval = env_cfg.stats_log_interval
         if "ATOM_STATS_LOG_INTERVAL" not in os.environ:
             interval = SERVER_STATS_LOG_INTERVAL
@@ -93,12 +107,13 @@ class AtomSchedulerMixin:
                                 if not isinstance(m.kv_cache_spec, MambaSpec)]
         logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
                     "tokens, hash unit %d, pool %d blocks; checkpoints %s; admission order %s; "
-                    "placement %s",
+                    "admission gate %s; placement %s",
                     len(state_groups), len(self._atom_kv_groups), block_size,
                     self.hash_block_size, num_blocks,
                     "written inside prefill forwards" if planner.interior_readable
                     else "at prefill chunk ends (chunks cut onto them)",
-                    env_cfg.admission_order, env_cfg.placement)
+                    env_cfg.admission_order, "on" if self._atom_gate else "off",
+                    env_cfg.placement)
         if self.hash_block_size > 64:
             logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; "
                            "pass --prefix-match-unit 64 for finer hits", self.hash_block_size)
@@ -196,7 +211,14 @@ class AtomSchedulerMixin:
     def schedule(self, *args, **kwargs):
         if self._atom is not None and self._atom_hits_first:
             self._order_waiting()
-        out = super().schedule(*args, **kwargs)
+        gate = self._atom_gate
+        gated = gate.open(self) if gate is not None else None
+        out = None
+        try:
+            out = super().schedule(*args, **kwargs)
+        finally:
+            if gated is not None:
+                gate.close(self, gated, out)
         planner = self._atom
         if planner is not None:
             for new in out.scheduled_new_reqs:

@@ -67,7 +67,7 @@ def test_plugin_on_the_scaled_plan_workload(monkeypatch, pressure_bench,
     # the bench enables the plugin process-wide (as VLLM_PLUGINS does at
     # start-up); restore the variables it sets when the test ends
     monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
-    for var in ("ATOM_INTERIOR_CHECKPOINTS", "ATOM_ADMISSION_ORDER"):
+    for var in ("ATOM_INTERIOR_CHECKPOINTS", "ATOM_ADMISSION_ORDER", "ATOM_ADMISSION_GATE"):
         monkeypatch.delenv(var, raising=False)
     runs = {p: E.run_policy(p, convs, rounds, nb, mml, GEOMETRY)
             for p in ("off", "plugin", "plugin-zeroed-states")}

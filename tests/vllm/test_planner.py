@@ -134,7 +134,8 @@ def test_admissions_feed_the_core_stats_and_its_log_lines():
 @pytest.mark.parametrize("bad", ["ATOM_STATE_CHECKPOINT_SLOTS=-1", "ATOM_STATE_CHECKPOINT_CUT_BACKOFF=1.5",
                                  "ATOM_STATE_CHECKPOINT_FALLBACK=x", "ATOM_STATE_CHECKPOINT_RETAIN=0.5,1.0",
                                  "ATOM_STATE_CHECKPOINT_COLD=0.875,1",
-                                 "ATOM_INTERIOR_CHECKPOINTS=auto", "ATOM_ADMISSION_ORDER=lifo"])
+                                 "ATOM_INTERIOR_CHECKPOINTS=auto", "ATOM_ADMISSION_ORDER=lifo",
+                                 "ATOM_ADMISSION_GATE=yes"])
 def test_new_settings_are_validated_with_their_names(bad):
     from atom_hybrid_cache.config import CacheConfig, ConfigError, apply_env
     var, raw = bad.split("=")

@@ -1,0 +1,145 @@
+"""ATOM_ADMISSION_GATE on vLLM's real Scheduler and block pool (no model;
+the plugin policy of the scheduler bench: 2 slots, a 2.5 GiB pool of 91
+pages of 448 tokens shared by one attention and three state groups).
+
+Two conversations were served one after the other, and both resend their
+prompt at once: `a` first, with 2,688 new tokens, then `b`, with 64. The
+pool holds both prefixes but not `a`'s new pages beside them. vLLM admits
+`a`; its first prefill chunk takes its pages from the LRU head, where
+`b`'s prefix waits (a request's pages go back tail first, so the whole
+prefix is cut from its top down), and `b` computes everything again. The
+gate holds `a` while `b`, which fits, runs; `a` then evicts `b`'s finished
+pages, which nobody reads in this round."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+
+import pytest
+
+pytest.importorskip("vllm")
+
+PROMPT = 448 * 36          # both first prompts; + 1 token each
+A_NEW, B_NEW = 448 * 6, 64
+
+
+def _round(sched, submit, step, prompts: dict) -> tuple[dict, list]:
+    """Serve `prompts` together: ({rid: tokens cached at admission}, the
+    order they were admitted in)."""
+    for rid, p in prompts.items():
+        submit(rid, p, 1)
+    first: dict = {}
+    while any(rid in sched.requests for rid in prompts):
+        for rid, n in step().items():
+            first.setdefault(rid, n)
+    return first, list(first)
+
+
+def _serve(make_plugin_scheduler, monkeypatch, gate: str):
+    monkeypatch.setenv("ATOM_ADMISSION_GATE", gate)
+    sched, submit, step = make_plugin_scheduler()
+    assert sched.kv_cache_manager.block_pool.num_gpu_blocks == 91
+    rng = random.Random(3)
+    a = [rng.randrange(1, 30000) for _ in range(PROMPT + 1)]
+    b = [rng.randrange(1, 30000) for _ in range(PROMPT + 1)]
+    assert _round(sched, submit, step, {"a1": a})[0] == {"a1": 0}
+    assert _round(sched, submit, step, {"b1": b})[0] == {"b1": 0}
+    a2 = a + [7] + [rng.randrange(1, 30000) for _ in range(A_NEW)]
+    b2 = b + [7] + [rng.randrange(1, 30000) for _ in range(B_NEW)]
+    return sched, _round(sched, submit, step, {"a2": a2, "b2": b2})
+
+
+def test_without_the_gate_the_first_admission_evicts_the_waiting_prefix(
+        make_plugin_scheduler, monkeypatch):
+    sched, (cached, order) = _serve(make_plugin_scheduler, monkeypatch, "off")
+    assert sched._atom_gate is None
+    assert order == ["a2", "b2"]
+    assert cached == {"a2": PROMPT, "b2": 0}
+
+
+def test_the_gate_holds_the_request_that_does_not_fit(make_plugin_scheduler, monkeypatch):
+    sched, (cached, order) = _serve(make_plugin_scheduler, monkeypatch, "on")
+    assert order == ["b2", "a2"]
+    assert cached == {"a2": PROMPT, "b2": PROMPT}
+    # a2 was held out of the queue in both steps of b2's prefill
+    assert sched._atom_gate.held_steps == 2
+    # every page the gate pinned went back: only the null page is referenced
+    pool = sched.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+# -- the decision alone, on stand-ins (no pool) --------------------------
+
+def _stand_in(running=(), batched=2048):
+    from types import SimpleNamespace
+    return SimpleNamespace(running=list(running), waiting=deque(),
+                           scheduler_config=SimpleNamespace(max_num_batched_tokens=batched))
+
+
+def _candidate(name, need, new_tokens=64):
+    from types import SimpleNamespace
+
+    from atom_hybrid_cache.vllm.admission_gate import _Candidate
+    request = SimpleNamespace(request_id=name, num_tokens=1000 + new_tokens)
+    return _Candidate(request, (), 1000, need)
+
+
+def _names(requests):
+    return [r.request_id for r in requests]
+
+
+def test_with_nothing_running_and_nothing_fitting_the_smallest_goes_alone():
+    from atom_hybrid_cache.vllm.admission_gate import _decide
+    step = _decide(_stand_in(), [_candidate("a", 5), _candidate("b", 3), _candidate("c", 8)],
+                   {1: "page 1"}, room=2)
+    assert _names(step.held) == ["a", "c"] and step.pinned == []
+
+
+def test_requests_that_fit_go_in_queue_order_and_the_others_wait():
+    from types import SimpleNamespace
+
+    from atom_hybrid_cache.vllm.admission_gate import _decide
+    running = [SimpleNamespace(num_prompt_tokens=500, num_computed_tokens=400)]
+    step = _decide(_stand_in(running), [_candidate("a", 3), _candidate("b", 10),
+                                        _candidate("c", 2), _candidate("d", 2)],
+                   {1: "a's bottom", 2: "a's top", 3: "b's"}, room=6)
+    # a (3) and c (2) fit the 6 pages; b does not; d no longer does
+    assert _names(step.held) == ["b", "d"]
+    # every candidate's prefix stays protected, given back top first
+    assert step.pinned == ["b's", "a's top", "a's bottom"]
+
+
+def test_past_the_token_budget_nobody_is_held():
+    from atom_hybrid_cache.vllm.admission_gate import _decide
+    # a takes the whole step's tokens: vLLM does not reach b, so b is not
+    # held (and its prefix stays protected)
+    step = _decide(_stand_in(batched=2048), [_candidate("a", 3, new_tokens=4096),
+                                             _candidate("b", 50)], {1: "b's"}, room=10)
+    assert step.held == [] and step.pinned == ["b's"]
+
+
+def test_the_running_reserve_unprotects_the_last_prefixes_first():
+    from types import SimpleNamespace
+
+    from atom_hybrid_cache.vllm.admission_gate import _Candidate, _unprotect_last
+    pages = {i: SimpleNamespace(block_id=i) for i in range(1, 6)}
+    first = _Candidate(None, ([pages[1], pages[2]],), 128, 1)
+    last = _Candidate(None, ([pages[3], pages[4], pages[5]],), 192, 1)
+    protected = dict(pages)
+    assert _unprotect_last([first, last], protected, room=-2) == 0
+    assert sorted(protected) == [1, 2, 5]
+
+
+def test_a_gated_step_that_scheduled_nothing_is_followed_by_an_ungated_one():
+    from types import SimpleNamespace
+
+    from atom_hybrid_cache.vllm.admission_gate import AdmissionGate, GateStep
+    freed = []
+    sched = SimpleNamespace(waiting=deque(["c"]), kv_cache_manager=SimpleNamespace(
+        block_pool=SimpleNamespace(free_blocks=freed.extend)))
+    gate = AdmissionGate()
+    gate.close(sched, GateStep(["page"], ["held"]), SimpleNamespace(total_num_scheduled_tokens=0))
+    assert list(sched.waiting) == ["held", "c"] and freed == ["page"]
+    assert gate.open(sched) is None          # ungated: vLLM's admission
+    assert gate._stalled is False            # and the next step is gated again
