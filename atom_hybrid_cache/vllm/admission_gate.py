@@ -27,9 +27,10 @@ first `max_num_seqs - running` waiting ones):
 A gated step that scheduled nothing (a running request needed more than
 was reserved, say) is followed by one step without the gate.
 
-Measured (BENCHMARKS.md, 0.83x the live working set): the plugin keeps
-+0.03 of the oracle on the plan's workload, and the attention-only control
-run with the same gate 0.984 against 0.949 with vLLM's admission.
+Measured (BENCHMARKS.md, "The admission gate", 0.83x the live working
+set, means over five shapes of the plan's workload): the plugin keeps
++0.021 of the oracle (0.923 against 0.901), and the attention-only control
+run with the same gate 0.980 against 0.942 with vLLM's admission.
 """
 
 from __future__ import annotations
