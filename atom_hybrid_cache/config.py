@@ -16,6 +16,9 @@ EVICTION_POLICIES = ("reuse-aware", "lru")
 INTERIOR_CHECKPOINT_MODES = ("off", "on")
 ADMISSION_ORDERS = ("arrival", "hits-first")
 ADMISSION_GATE_MODES = ("off", "on")
+# Steps the admission gate may hold a request before it goes through like
+# any other (see atom_hybrid_cache/vllm/admission_gate.py).
+ADMISSION_GATE_MAX_HOLD_STEPS = 32
 
 # Checkpoint-only slots per request slot when state_checkpoint_slots is not
 # set: room for each conversation's anchor, its insurance one block lower,
@@ -259,8 +262,9 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
     "ATOM_ADMISSION_GATE": (
         "cache", "admission_gate", _parse_choice(ADMISSION_GATE_MODES),
         "on: a waiting request whose prefill would evict the cached prefixes of the requests "
-        "waiting with it waits for the running ones to finish, and those prefixes cannot be "
-        "evicted while a step is scheduled; off: vLLM's admission"),
+        f"waiting with it waits for the running ones to finish ({ADMISSION_GATE_MAX_HOLD_STEPS} "
+        "steps at most), and those prefixes cannot be evicted while a step is scheduled; off: "
+        "vLLM's admission"),
     "ATOM_STATS_LOG_INTERVAL": (
         "cache", "stats_log_interval", _parse_int,
         "print the cache log lines every N admissions (0: never)"),

@@ -183,6 +183,11 @@ POLICIES: dict[str, Policy] = {
     "plugin": Policy("plugin", 64, 64, plugin=True),
     "plugin-hits-first": Policy("plugin-hits-first", 64, 64, plugin=True,
                                 env=(("ATOM_ADMISSION_ORDER", "hits-first"),)),
+    "plugin-gated": Policy("plugin-gated", 64, 64, plugin=True,
+                           env=(("ATOM_ADMISSION_GATE", "on"),)),
+    "plugin-gated-hits-first": Policy("plugin-gated-hits-first", 64, 64, plugin=True,
+                                      env=(("ATOM_ADMISSION_GATE", "on"),
+                                           ("ATOM_ADMISSION_ORDER", "hits-first"))),
 }
 
 
@@ -929,7 +934,8 @@ def main(argv=None) -> int:
                     help="concurrency:GiB points, e.g. c8:80,c4:40 (default)")
     ap.add_argument("--policies", type=parse_policies,
                     default=parse_policies("native,native-pmu64,plugin"),
-                    help=f"comma list of {', '.join(POLICIES)} (default: all)")
+                    help=f"comma list of {', '.join(POLICIES)} "
+                         "(default: native,native-pmu64,plugin)")
     ap.add_argument("--max-traces", type=int, default=None,
                     help="only the first N trace files in name order (default: all)")
     ap.add_argument("--max-requests", type=int, default=None,

@@ -25,7 +25,9 @@ first `max_num_seqs - running` waiting ones):
   pages goes alone and evicts what it must, so the queue always moves.
 
 A gated step that scheduled nothing (a running request needed more than
-was reserved, say) is followed by one step without the gate.
+was reserved, say) is followed by one step without the gate, and a request
+held in `MAX_HOLD_STEPS` steps is not held again: under steady traffic
+something always runs, and a large prefill could otherwise wait for ever.
 
 Measured (BENCHMARKS.md, "The admission gate", 0.83x the live working
 set, means over five shapes of the plan's workload): the plugin keeps
@@ -40,6 +42,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from vllm.v1.kv_cache_interface import MambaSpec
+
+from ..config import ADMISSION_GATE_MAX_HOLD_STEPS as MAX_HOLD_STEPS
 
 # Pages of each state group an admitted prefill takes: the state it writes
 # and the prompt-end copy vLLM keeps.
@@ -68,10 +72,14 @@ class AdmissionGate:
         # the previous gated step scheduled nothing: the next one runs ungated
         self._stalled = False
         self.held_steps = 0
+        # request id -> steps held, for the requests that can still be held
+        self._holds: dict[str, int] = {}
+        self.longest_hold = 0
 
-    def open(self, sched) -> GateStep | None:
+    def open(self, sched, hits: dict | None = None) -> GateStep | None:
         """Decide the step; pins the protected pages and takes the held
-        requests out of `sched.waiting`. None: vLLM's admission this step."""
+        requests out of `sched.waiting`. None: vLLM's admission this step.
+        `hits`: {request id: (pages, tokens)} already looked up this step."""
         if self._stalled:
             self._stalled = False
             return None
@@ -83,17 +91,24 @@ class AdmissionGate:
             return None
         kvm = sched.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
-        candidates, protected = _look_up(kvm, itertools.islice(waiting, limit))
+        candidates, protected = _look_up(kvm, itertools.islice(waiting, limit), hits or {})
         if not candidates:
             return None
+        self._holds = {c.request.request_id: self._holds[c.request.request_id]
+                       for c in candidates if c.request.request_id in self._holds}
+        overdue = {rid for rid, n in self._holds.items() if n >= MAX_HOLD_STEPS}
         room = (kvm.block_pool.get_num_free_blocks() - len(protected)
                 - _running_reserve(managers, sched.running))
         if room < 0:
             room = _unprotect_last(candidates, protected, room)
-        step = _decide(sched, candidates, protected, room)
+        step = _decide(sched, candidates, protected, room, overdue)
         kvm.block_pool.touch(step.pinned)
         if step.held:
             self.held_steps += 1
+            for r in step.held:
+                n = self._holds.get(r.request_id, 0) + 1
+                self._holds[r.request_id] = n
+                self.longest_hold = max(self.longest_hold, n)
             held_ids = {id(r) for r in step.held}
             kept = [r for r in waiting if id(r) not in held_ids]
             waiting.clear()
@@ -140,17 +155,20 @@ def _running_reserve(managers, running) -> int:
     return reserve
 
 
-def _look_up(kvm, window) -> tuple[list, dict]:
+def _look_up(kvm, window, hits: dict) -> tuple[list, dict]:
     """The window's requests that start on a prefix lookup, and {block id:
     block} of their hit pages that are evictable now, in window order,
-    each prefix bottom up."""
+    each prefix bottom up. `hits`: lookups already made this step."""
     managers = kvm.coordinator.single_type_managers
     candidates, protected = [], {}
     for request in window:
         if request.num_computed_tokens or not kvm.prefix_cache_lookup_enabled(request):
             continue
-        blocks, hit = kvm.coordinator.find_longest_cache_hit(request.block_hashes,
-                                                             request.num_tokens - 1)[:2]
+        found = hits.get(request.request_id)
+        if found is None:
+            found = kvm.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                           request.num_tokens - 1)[:2]
+        blocks, hit = found
         candidates.append(_Candidate(request, blocks, hit,
                                      _pages_to_admit(managers, request, hit)))
         for group in blocks:
@@ -171,11 +189,14 @@ def _unprotect_last(candidates, protected: dict, room: int) -> int:
     return room
 
 
-def _decide(sched, candidates, protected: dict, room: int) -> GateStep:
+def _decide(sched, candidates, protected: dict, room: int,
+            overdue: frozenset | set = frozenset()) -> GateStep:
+    """`overdue`: ids of requests held too long to be held again."""
     if not sched.running and all(c.need > room for c in candidates):
         # nothing runs and nothing fits: the smallest goes alone and
-        # evicts what it must
-        first = min(candidates, key=lambda c: c.need)
+        # evicts what it must (the first overdue one, if any)
+        late = [c for c in candidates if c.request.request_id in overdue]
+        first = late[0] if late else min(candidates, key=lambda c: c.need)
         return GateStep([], [c.request for c in candidates if c is not first])
     budget = sched.scheduler_config.max_num_batched_tokens - sum(
         max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
@@ -183,7 +204,7 @@ def _decide(sched, candidates, protected: dict, room: int) -> GateStep:
     for c in candidates:
         if budget <= 0:
             break   # vLLM does not reach it this step
-        if c.need > room:
+        if c.need > room and c.request.request_id not in overdue:
             held.append(c.request)
             continue
         room -= c.need

@@ -166,7 +166,7 @@ class AtomSchedulerMixin:
             self._atom_anchor_pending.add(rid)
         return end - start
 
-    def _order_waiting(self) -> None:
+    def _order_waiting(self, hits: Optional[dict] = None) -> None:
         """Waiting requests that resume on a cached prefix go ahead of those
         that do not, among the first max_num_seqs waiting (FCFS queues only).
 
@@ -175,7 +175,11 @@ class AtomSchedulerMixin:
         behind it are looked up; those pages come from the LRU head, where
         the prefixes of the waiting requests sit. Admitted first, a request
         holds its prefix. A request passed over max_num_seqs times keeps its
-        place from then on, so none waits without bound."""
+        place from then on, so none waits without bound.
+
+        `hits`, if given, keeps each lookup ({request id: (pages, tokens)})
+        for the admission gate of the same step: nothing is allocated in
+        between, so its lookups would find the same."""
         waiting = self.waiting
         if not isinstance(waiting, deque) or len(waiting) < 2:
             return
@@ -192,8 +196,10 @@ class AtomSchedulerMixin:
             if (request.num_computed_tokens
                     or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)):
                 return (1, 0)
-            hit = coordinator.find_longest_cache_hit(request.block_hashes,
-                                                     request.num_tokens - 1)[1]
+            blocks, hit = coordinator.find_longest_cache_hit(request.block_hashes,
+                                                             request.num_tokens - 1)[:2]
+            if hits is not None:
+                hits[request.request_id] = (blocks, hit)
             return (1, -hit) if hit else (2, 0)
 
         ranks = [rank(r) for r in window]
@@ -209,10 +215,11 @@ class AtomSchedulerMixin:
         waiting.extend([window[i] for i in order] + rest)
 
     def schedule(self, *args, **kwargs):
-        if self._atom is not None and self._atom_hits_first:
-            self._order_waiting()
         gate = self._atom_gate
-        gated = gate.open(self) if gate is not None else None
+        hits = {} if gate is not None else None
+        if self._atom is not None and self._atom_hits_first:
+            self._order_waiting(hits)
+        gated = gate.open(self, hits) if gate is not None else None
         out = None
         try:
             out = super().schedule(*args, **kwargs)

@@ -69,6 +69,44 @@ def test_the_gate_holds_the_request_that_does_not_fit(make_plugin_scheduler, mon
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
+def test_a_request_held_max_hold_steps_times_goes_through(make_plugin_scheduler, monkeypatch):
+    from atom_hybrid_cache.vllm import admission_gate
+    monkeypatch.setattr(admission_gate, "MAX_HOLD_STEPS", 1)
+    sched, (cached, order) = _serve(make_plugin_scheduler, monkeypatch, "on")
+    # held in b2's first step only, then admitted beside it: b2's pages
+    # are its own by then, so both still resume on their whole prefix
+    assert order == ["b2", "a2"]
+    assert sched._atom_gate.held_steps == 1 and sched._atom_gate.longest_hold == 1
+    assert cached == {"a2": PROMPT, "b2": PROMPT}
+
+
+def test_hits_first_and_the_gate_look_each_request_up_once(make_plugin_scheduler, monkeypatch):
+    """With both on, the gate takes the lookups the hits-first ordering
+    made in the same step: the same calls to the prefix lookup as with the
+    gate alone (2 waiting requests in the round's first step, 1 in the
+    second, plus vLLM's own at each admission)."""
+    counts = {}
+    for order in ("arrival", "hits-first"):
+        monkeypatch.setenv("ATOM_ADMISSION_ORDER", order)
+        calls = []
+
+        def counting(make=make_plugin_scheduler):
+            sched, submit, step = make()
+            coordinator = sched.kv_cache_manager.coordinator
+            look_up = coordinator.find_longest_cache_hit
+
+            def counted(*args, **kwargs):
+                calls.append(1)
+                return look_up(*args, **kwargs)
+            coordinator.find_longest_cache_hit = counted
+            return sched, submit, step
+        sched, (cached, order_seen) = _serve(counting, monkeypatch, "on")
+        assert sched._atom_hits_first == (order == "hits-first")
+        assert cached == {"a2": PROMPT, "b2": PROMPT} and order_seen == ["b2", "a2"]
+        counts[order] = len(calls)
+    assert counts["hits-first"] == counts["arrival"]
+
+
 # -- the decision alone, on stand-ins (no pool) --------------------------
 
 def _stand_in(running=(), batched=2048):
@@ -108,6 +146,19 @@ def test_requests_that_fit_go_in_queue_order_and_the_others_wait():
     assert _names(step.held) == ["b", "d"]
     # every candidate's prefix stays protected, given back top first
     assert step.pinned == ["b's", "a's top", "a's bottom"]
+
+
+def test_an_overdue_request_is_not_held_again():
+    from atom_hybrid_cache.vllm.admission_gate import _decide
+    # b (10 pages) does not fit the 6, but it was held long enough: it goes,
+    # and c, which would have fitted after a, waits behind it
+    step = _decide(_stand_in(), [_candidate("a", 3), _candidate("b", 10), _candidate("c", 2)],
+                   {}, room=6, overdue={"b"})
+    assert _names(step.held) == ["c"]
+    # with nothing fitting, the overdue one goes alone, not the smallest
+    step = _decide(_stand_in(), [_candidate("a", 5), _candidate("b", 9), _candidate("c", 8)],
+                   {}, room=2, overdue={"c"})
+    assert _names(step.held) == ["a", "b"]
 
 
 def test_past_the_token_budget_nobody_is_held():
