@@ -68,6 +68,13 @@ class PlacementConfig:
     # keeps a checkpoint at each of these fractions of its length. Off by
     # default (see BENCHMARKS.md: +0.005 at 1.0x, mixed at 0.83x).
     cold_fractions: tuple = ()
+    # Any prompt keeps a checkpoint at each of these fractions of its length
+    # that falls inside the span its prefill computes (above its hit, below
+    # its anchor); for a cold prompt these are COLD's. Off by default (see
+    # BENCHMARKS.md, "Checkpoints inside a long span": in vLLM +0.001-0.006
+    # at 1.0x and higher on 13 of 15 means at 0.83x; the replay planner
+    # loses up to 0.11 point with it and writes past 1.2 per resumed hit).
+    span_fractions: tuple = ()
     # protected anchors/cut checkpoints per request slot (max_num_seqs).
     protected_per_seq: int = 7
     # a prefill that recomputes at least this many tokens also keeps a
@@ -168,6 +175,7 @@ def validate(cfg: CacheConfig) -> None:
     _fractions("state_checkpoint_fallback", p.fallback_fractions)
     _fractions("state_checkpoint_retain", p.retain_fractions)
     _fractions("state_checkpoint_cold", p.cold_fractions)
+    _fractions("state_checkpoint_span", p.span_fractions)
     _non_negative("protected_per_seq", p.protected_per_seq)
     _non_negative("state_checkpoint_insure_tokens", p.insure_recompute_tokens)
     _non_negative("state_checkpoint_insure_distance", p.insure_distance_tokens)
@@ -244,6 +252,10 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "placement", "cold_fractions", _parse_fractions,
         "comma list: a prompt resumed below half its length also keeps a checkpoint at each "
         "fraction of its length (unset: none)"),
+    "ATOM_STATE_CHECKPOINT_SPAN": (
+        "placement", "span_fractions", _parse_fractions,
+        "comma list: any prompt also keeps a checkpoint at each fraction of its length that its "
+        "prefill computes (above its hit; unset: none)"),
     "ATOM_STATE_CHECKPOINT_INSURE_TOKENS": (
         "placement", "insure_recompute_tokens", _parse_int,
         "a prefill recomputing at least N tokens also keeps a checkpoint one block below its anchor (0: never)"),

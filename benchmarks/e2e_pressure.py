@@ -185,6 +185,8 @@ from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
 REPO = Path(__file__).resolve().parents[1]
+if str(REPO / "benchmarks") not in sys.path:  # loaded by the tests: its sibling modules
+    sys.path.insert(0, str(REPO / "benchmarks"))
 DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 # Small default: short traces whose first requests survive the elide rule
 # (several turns each at 2000 tokens), so the run fits a 2-core machine.
@@ -546,8 +548,8 @@ def replay_scheduler_only(llm, convs, rounds) -> Replay:
     so nothing is compared against caching off. The engine is started as
     for `replay` (its configs and managers are vLLM's own); a run then
     takes about a second instead of minutes of CPU prefill."""
+    from synthetic_outputs import synthetic_model_output
     from vllm import SamplingParams
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
@@ -573,12 +575,7 @@ def replay_scheduler_only(llm, convs, rounds) -> Replay:
             step = sched.schedule()
             for new in step.scheduled_new_reqs:   # a preempted request counts its first hit
                 first_hit.setdefault(new.req_id, new.num_computed_tokens)
-            req_ids = list(step.num_scheduled_tokens)
-            sampled = [[] if sched.requests[rid].is_prefill_chunk else [SYNTHETIC_TOKEN]
-                       for rid in req_ids]
-            sched.update_from_output(step, ModelRunnerOutput(
-                req_ids=req_ids, req_id_to_index={rid: k for k, rid in enumerate(req_ids)},
-                sampled_token_ids=sampled))
+            sched.update_from_output(step, synthetic_model_output(sched, step, SYNTHETIC_TOKEN))
         out.cached.extend(first_hit[rid] for rid in ids)
     return out
 

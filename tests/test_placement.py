@@ -189,3 +189,21 @@ def test_a_warm_prompt_or_the_default_keeps_none():
     assert _cold_targets(2400, 1200, cold_fractions=(0.875,)) == {2368: "anchor"}
     # off by default
     assert _cold_targets(2408, 0) == {2400: "anchor"}
+
+
+def test_a_prompt_keeps_a_checkpoint_at_each_span_fraction_its_prefill_covers():
+    # ATOM_STATE_CHECKPOINT_SPAN: 0.5 and 0.875 of 2,408 tokens are 1,204 and
+    # 2,107, floored to the 32-token block: 1,184 and 2,080
+    span = {"span_fractions": (0.5, 0.875)}
+    # computed from 0: both, as COLD would place them
+    assert _cold_targets(2408, 0, **span) == {1184: "fallback", 2080: "fallback", 2400: "anchor"}
+    # a turn that appended 1,108 tokens to a 1,300-token prefix: not cold,
+    # so COLD places nothing, but its span covers 0.875
+    assert _cold_targets(2408, 1300, cold_fractions=(0.5, 0.875)) == {2400: "anchor"}
+    assert _cold_targets(2408, 1300, **span) == {2080: "fallback", 2400: "anchor"}
+    # a resume exactly at a fraction writes nothing there (the state exists)
+    assert _cold_targets(2408, 1184, **span) == {2080: "fallback", 2400: "anchor"}
+    # a short turn covers none of them
+    assert _cold_targets(2543, 2400, **span) == {2528: "anchor"}
+    # off by default
+    assert _cold_targets(2408, 1300) == {2400: "anchor"}

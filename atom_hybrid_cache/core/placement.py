@@ -170,6 +170,16 @@ def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: 
             pos = int(L * f) // B * B
             if hit < pos < L - successor_room:
                 t.add(pos, "fallback")
+    for f in p.span_fractions:
+        # A conversation's states sit at its turns' prompt ends: a turn that
+        # appends much (a large file read, a conversation's start) leaves a
+        # gap as wide as what it appended, and a cut inside it under
+        # pressure costs all of it. A state at each fraction the span
+        # covers gives the release's retain ladder (`retain_fractions`) a
+        # state near each of its fractions.
+        pos = int(L * f) // B * B
+        if hit < pos < (anchor or L - successor_room):
+            t.add(pos, "fallback")
     for pos in ladder_positions(hit, L - successor_room, interval):
         t.add(pos, "ladder")
     return t

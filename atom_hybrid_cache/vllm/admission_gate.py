@@ -46,8 +46,10 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import ADMISSION_GATE_MAX_HOLD_STEPS as MAX_HOLD_STEPS
 
 # Pages of each state group an admitted prefill takes: the state it writes
-# and the prompt-end copy vLLM keeps.
+# and the prompt-end copy vLLM keeps. A running prefill already has the
+# first and still takes the second.
 STATE_PAGES_PER_ADMISSION = 2
+STATE_PAGES_TO_FINISH = 1
 
 
 @dataclass
@@ -131,28 +133,25 @@ class AdmissionGate:
                          and not out.total_num_scheduled_tokens)
 
 
+def _pages_for_prefill(managers, tokens: int, held, state_pages: int) -> int:
+    """Pages a prefill to `tokens` still takes: in each attention group those
+    beyond the `held(manager)` it has, in each state group `state_pages`."""
+    return sum(state_pages if isinstance(m.kv_cache_spec, MambaSpec)
+               else max(0, -(-tokens // m.block_size) - held(m)) for m in managers)
+
+
 def _pages_to_admit(managers, request, hit: int) -> int:
     """Pages the whole prefill of `request` takes beyond its hit."""
-    need = 0
-    for m in managers:
-        if isinstance(m.kv_cache_spec, MambaSpec):
-            need += STATE_PAGES_PER_ADMISSION
-        else:
-            need += -(-request.num_tokens // m.block_size) - hit // m.block_size
-    return need
+    return _pages_for_prefill(managers, request.num_tokens, lambda m: hit // m.block_size,
+                              STATE_PAGES_PER_ADMISSION)
 
 
 def _running_reserve(managers, running) -> int:
     """Pages the running requests still take to finish their prefill."""
-    reserve = 0
-    for r in running:
-        for m in managers:
-            if isinstance(m.kv_cache_spec, MambaSpec):
-                reserve += 1
-            else:
-                held = len(m.req_to_blocks.get(r.request_id, ()))
-                reserve += max(0, -(-r.num_prompt_tokens // m.block_size) - held)
-    return reserve
+    return sum(_pages_for_prefill(managers, r.num_prompt_tokens,
+                                  lambda m: len(m.req_to_blocks.get(r.request_id, ())),
+                                  STATE_PAGES_TO_FINISH)
+               for r in running)
 
 
 def _look_up(kvm, window, hits: dict) -> tuple[list, dict]:

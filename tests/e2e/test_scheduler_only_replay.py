@@ -8,7 +8,9 @@ enters a later prompt, so caching is decided by the scheduler alone; this
 test pins that claim against the figures the model runs pin in
 ``test_trace_replay_plugin.py`` (elided workload, 128-token blocks) and
 ``test_scaled_trace_replay_plugin.py`` (the plan's scaled workload,
-32-token blocks), and against the hits-first figure of BENCHMARKS.md. A
+32-token blocks), and against the hits-first figure of BENCHMARKS.md; it
+also pins the plan's workload at full length, which only this replay can
+run here (native, the plugin, the plugin with span checkpoints). A
 replay that mis-states a hit, or runs the scheduler in another order than
 the engine does, moves these totals.
 """
@@ -78,3 +80,27 @@ def test_the_admission_gate_on_the_scaled_workload(pressure_bench, plugin_env, v
     # there, BENCHMARKS.md; the plugin's figure is pinned above)
     assert got["plugin-gated"] > SCALED_CACHED["plugin"]
     assert got["attention-control-gated"] / oracle > 0.98
+
+
+# The plan's 14 traces at full length (BENCHMARKS.md, "The plan's 14 traces at
+# full length"): 128-token blocks, 4 conversations in flight, 0.83x
+FULL_LENGTH_CACHED = {"native": 5_621_888, "plugin": 6_208_832}
+# the same plugin with ATOM_STATE_CHECKPOINT_SPAN=0.5,0.875
+FULL_LENGTH_SPAN_CACHED = 6_331_456
+
+
+def test_the_plan_workload_at_full_length(pressure_bench, plugin_env, vllm_cpu_env,
+                                          monkeypatch):
+    E = pressure_bench
+    convs = E.build_workload(E.traces_fitting(64000), 0, 256, None, 64)
+    w = E.lockstep_workload(convs, 4, E.GEOMETRIES["default"]["block_size"])
+    nb = E.budget_blocks(POOL_MULTIPLE, w.working_set, w.single_request)
+    assert (len(w.sent), w.working_set, nb, sum(w.oracle)) == (223, 1413, 1174, 6_883_831)
+
+    def cached(policy):
+        return sum(E.run_policy(policy, convs, w.rounds, nb, w.max_model_len,
+                                scheduler_only=True)["cached"])
+
+    assert {p: cached(p) for p in FULL_LENGTH_CACHED} == FULL_LENGTH_CACHED
+    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_SPAN", "0.5,0.875")
+    assert cached("plugin") == FULL_LENGTH_SPAN_CACHED

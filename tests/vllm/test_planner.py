@@ -134,6 +134,7 @@ def test_admissions_feed_the_core_stats_and_its_log_lines():
 @pytest.mark.parametrize("bad", ["ATOM_STATE_CHECKPOINT_SLOTS=-1", "ATOM_STATE_CHECKPOINT_CUT_BACKOFF=1.5",
                                  "ATOM_STATE_CHECKPOINT_FALLBACK=x", "ATOM_STATE_CHECKPOINT_RETAIN=0.5,1.0",
                                  "ATOM_STATE_CHECKPOINT_COLD=0.875,1",
+                                 "ATOM_STATE_CHECKPOINT_SPAN=0,0.5",
                                  "ATOM_INTERIOR_CHECKPOINTS=auto", "ATOM_ADMISSION_ORDER=lifo",
                                  "ATOM_ADMISSION_GATE=yes"])
 def test_new_settings_are_validated_with_their_names(bad):
@@ -159,3 +160,23 @@ def test_cold_fractions_reach_the_chunk_stops():
     assert p.chunk_stop("first", 0, 1500) == 1280
     p.plan("next", 1700, [f"h{i}" for i in range(26)], hit=1472, compressed=1472)
     assert p.plans["next"].kinds == {}
+
+
+def test_span_fractions_reach_the_chunk_stops():
+    # ATOM_STATE_CHECKPOINT_SPAN, read as the scheduler reads it: a turn
+    # resumed at 896 of 1,700 tokens (0.875 of it: 1,487 -> 1,408) gets a
+    # chunk stop there; COLD gives it none (resumed above half)
+    from atom_hybrid_cache.config import CacheConfig, apply_env
+
+    placement = apply_env(CacheConfig(), {"ATOM_STATE_CHECKPOINT_SPAN": "0.5,0.875"}).placement
+    assert placement.span_fractions == (0.5, 0.875)
+    p = CheckpointPlanner(placement, block_size=128, hash_block_size=64, kv_share_tokens=1 << 20,
+                          stats_log_interval=0, log=lambda m: None)
+    p.plan("turn", 1700, [f"h{i}" for i in range(26)], hit=896, compressed=896)
+    assert p.plans["turn"].kinds == {1408: "fallback"}
+    assert p.chunk_stop("turn", 896, 1700) == 1408
+    cold = apply_env(CacheConfig(), {"ATOM_STATE_CHECKPOINT_COLD": "0.5,0.875"}).placement
+    q = CheckpointPlanner(cold, block_size=128, hash_block_size=64, kv_share_tokens=1 << 20,
+                          stats_log_interval=0, log=lambda m: None)
+    q.plan("turn", 1700, [f"h{i}" for i in range(26)], hit=896, compressed=896)
+    assert q.plans["turn"].kinds == {}
