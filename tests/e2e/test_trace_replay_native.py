@@ -14,7 +14,13 @@ Asserted:
 
 * caching on (vLLM default, and ``prefix_match_unit=64``) gives the same
   greedy token as caching off on every request (a wrongly restored GDN state
-  would change it: the tiny model's outputs depend on the whole context);
+  would change it: the tiny model's outputs depend on the whole context),
+  but near-ties of caching off (top-2 logprob margin <= NEAR_TIE), where the
+  bf16 rounding of another chunking decides, and every output token's
+  logprob stays within LOGPROB_TOL of caching off. On CPUs with AVX-512
+  every output was equal until 2026-11-30; on an AVX-512-BF16 EPYC
+  (2026-12-01) requests 9 and 11 flip, both with caching off's margin at
+  most 0.0312 and a logprob gap of 0.016;
 * the total ``num_cached_tokens`` of each caching run, EXACTLY (the run is
   deterministic). ``ORACLE_REUSABLE`` is the
   ceiling (longest prefix each prompt shares with any earlier prompt of the
@@ -43,6 +49,12 @@ POOL_MULTIPLE = 0.83
 ORACLE_REUSABLE = 15522
 NATIVE_CACHED = 12928         # vLLM default (block-granular hits)
 NATIVE_PMU64_CACHED = 13184   # prefix_match_unit=64
+# caching off's top-2 logprob margin below which a flipped greedy token is a
+# near-tie (rounding), and how far an output logprob may move (the same
+# bounds as test_trace_replay_plugin.py, whose zeroed-state run shows that
+# wrong states exceed them)
+NEAR_TIE = 0.1
+LOGPROB_TOL = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -76,16 +88,19 @@ def test_native_hybrid_caching_under_pressure_matches_off(make_llm, workload):
     for policy in ("off", "native", "native-pmu64"):
         llm = make_llm(num_gpu_blocks_override=nb, max_model_len=mml,
                        **E.policy_kwargs(policy))
-        results[policy] = E.replay(llm, convs, rounds)
+        results[policy] = E.replay(llm, convs, rounds, with_margins=policy == "off")
         E.shutdown(llm)
         del llm
 
-    off_out = results["off"].outputs
-    assert sum(results["off"].cached) == 0
+    off = results["off"]
+    assert sum(off.cached) == 0
     for policy in ("native", "native-pmu64"):
         run = results[policy]
-        bad = [k for k, (a, b) in enumerate(zip(run.outputs, off_out)) if a != b]
-        assert not bad, f"{policy}: greedy output differs from caching off on requests {bad}"
+        bad = [(k, off.margins[k]) for k, (a, b) in enumerate(zip(run.outputs, off.outputs))
+               if a != b and off.margins[k] > NEAR_TIE]
+        assert not bad, f"{policy}: greedy output differs from caching off where it was " \
+                        f"decisive (request, margin): {bad}"
+        assert E.max_logprob_gap(run.logprobs, off.logprobs) <= LOGPROB_TOL
         assert all(0 <= c < len(p) for c, p in zip(run.cached, sent))
 
     totals = {p: sum(results[p].cached) for p in ("native", "native-pmu64")}

@@ -15,13 +15,15 @@ Four engines: caching off, vLLM's native hybrid caching at its best setting
 ``scheduler_cls=AtomScheduler``, ``prefix_match_unit=64``), and the plugin
 again with every GDN state page zeroed after each round. Asserted: the
 plugin's greedy outputs equal the caching-off outputs on every request but
-near-ties of caching off (top-2 margin <= NEAR_TIE), of which at most one
-may flip, and the logprob of each output token is within LOGPROB_TOL of
-caching off; its total ``num_cached_tokens`` is strictly above native's,
-pinned exactly (the runs are deterministic). On CPUs with AVX-512 every
-output is equal (measured until 2026-11-30). On an AVX2-only EPYC, where bf16
-is emulated, request 19 flips for native and the plugin alike: caching off
-chose it by 0.0156, and both runs' logprob gap is 0.031.
+near-ties of caching off (top-2 margin <= NEAR_TIE), of which it flips no
+more than native does on the same CPU (at least one allowed), and the
+logprob of each output token is within LOGPROB_TOL of caching off; its
+total ``num_cached_tokens`` is strictly above native's, pinned exactly (the
+runs are deterministic). On CPUs with AVX-512 every output was equal
+(measured until 2026-11-30). On an AVX2-only EPYC, where bf16 is emulated,
+request 19 flips for native and the plugin alike: caching off chose it by
+0.0156, and both runs' logprob gap is 0.031. On an AVX-512-BF16 EPYC
+(2026-12-01) requests 17 and 21 flip, for native and the plugin alike.
 
 The zeroed run shows these checks see the states: the tiny model's state
 fades over a few hundred tokens (``tiny_model.py``), and resuming from zeroed
@@ -92,7 +94,7 @@ def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, 
         flipped = [(j, off.margins[j]) for j in bad[run] if off.margins[j] > NEAR_TIE]
         assert not flipped, f"{run}: greedy output differs from caching off where it was decisive"
         assert gaps[run] <= LOGPROB_TOL, gaps
-    assert len(bad["plugin"]) <= 1, bad
+    assert len(bad["plugin"]) <= max(1, len(bad["native-pmu64"])), bad
     # the checks above can fail: the same resumes from zeroed states
     assert results["plugin-zeroed-states"].cached == results["plugin"].cached
     assert len(bad["plugin-zeroed-states"]) >= 6, bad
