@@ -166,23 +166,27 @@ def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: 
     if hit < L * COLD_PROMPT_MAX_HIT_FRACTION:
         # A conversation's start: until it grows, a cut needs a state lower
         # than its next turns' anchors.
-        for f in p.cold_fractions:
-            pos = int(L * f) // B * B
-            if hit < pos < L - successor_room:
-                t.add(pos, "fallback")
-    for f in p.span_fractions:
-        # A conversation's states sit at its turns' prompt ends: a turn that
-        # appends much (a large file read, a conversation's start) leaves a
-        # gap as wide as what it appended, and a cut inside it under
-        # pressure costs all of it. A state at each fraction the span
-        # covers gives the release's retain ladder (`retain_fractions`) a
-        # state near each of its fractions.
-        pos = int(L * f) // B * B
-        if hit < pos < (anchor or L - successor_room):
-            t.add(pos, "fallback")
+        _add_prompt_fractions(t, L, B, p.cold_fractions, hit, L - successor_room)
+    # A conversation's states sit at its turns' prompt ends: a turn that
+    # appends much (a large file read, a conversation's start) leaves a gap
+    # as wide as what it appended, and a cut inside it under pressure costs
+    # all of it. A state at each fraction the span covers gives the
+    # release's retain ladder (`retain_fractions`) a state near each of its
+    # fractions.
+    _add_prompt_fractions(t, L, B, p.span_fractions, hit, anchor or L - successor_room)
     for pos in ladder_positions(hit, L - successor_room, interval):
         t.add(pos, "ladder")
     return t
+
+
+def _add_prompt_fractions(t: CheckpointTargets, prompt_len: int, block_size: int,
+                          fractions, lo: int, hi: int) -> None:
+    """A fallback at each fraction of the prompt, floored to a block, that
+    lies strictly between `lo` and `hi`."""
+    for f in fractions:
+        pos = int(prompt_len * f) // block_size * block_size
+        if lo < pos < hi:
+            t.add(pos, "fallback")
 
 
 def chunk_end(computed: int, budget: int, total: int, targets: CheckpointTargets,
