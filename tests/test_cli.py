@@ -173,3 +173,19 @@ def test_version(capsys):
         main(["--version"])
     assert exc.value.code == 0
     assert cli.__version__ in capsys.readouterr().out
+
+
+def test_replay_placement_takes_the_plugins_atom_settings(monkeypatch):
+    # the planner must place checkpoints as the plugin would with the same
+    # environment: ATOM_* placement settings first, then the command's flags
+    from atom_hybrid_cache.config import ConfigError
+    from atom_hybrid_cache.replay.runner import placement_from_args
+
+    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_SPAN", "0.5,0.875")
+    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS", "4096")
+    p = placement_from_args(argparse.Namespace(interval=None))
+    assert (p.span_fractions, p.interval_tokens) == ((0.5, 0.875), 4096)
+    assert placement_from_args(argparse.Namespace(interval=-1)).interval_tokens == -1
+    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_SPAN", "1.5")
+    with pytest.raises(ConfigError, match="ATOM_STATE_CHECKPOINT_SPAN"):
+        placement_from_args(argparse.Namespace(interval=None))
