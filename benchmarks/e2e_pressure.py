@@ -415,6 +415,11 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     own hash unit is already that fine)."""
     fine_unit = {"prefix_match_unit": 64} if block_size > 64 else {}
     os.environ.pop("ATOM_ADMISSION_GATE", None)   # set below for the gated policies
+    if policy not in PLUGIN_POLICIES:
+        # Not enabled for this engine: an earlier plugin run in this process
+        # set it, and with it vLLM would build our scheduler by default
+        # (registration.default_scheduler_class).
+        os.environ.pop("VLLM_PLUGINS", None)
     if policy == "off":
         return {"enable_prefix_caching": False}
     if policy == "off-rechunked":

@@ -6,10 +6,11 @@ when the user asked for this plugin by name (`VLLM_PLUGINS=atom_hybrid_cache`):
 vLLM loads every installed plugin when VLLM_PLUGINS is unset, and an installed
 but not enabled plugin must leave vLLM exactly as it is.
 
-What it does today: parse and validate every `ATOM_*` setting, so a bad value
-stops start-up with a message naming the variable, and log the effective
-settings once. The scheduler-side manager and the worker-side metadata
-register here as they land (see the vLLM plugin issue).
+What it does: parse and validate every `ATOM_*` setting, so a bad value
+stops start-up with a message naming the variable; register our GDN layer,
+state managers, stats connector and default scheduler class
+(`registration.register_all`, which lists them and its one monkeypatch);
+log the effective settings once.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Everything the plugin registers with vLLM, in one place.
 
-All of it goes through vLLM's registries; nothing is monkeypatched.
-Written against vLLM 0.32.0:
+Written against vLLM 0.32.0. Through vLLM's registries:
 - `KVCacheSpecRegistry.register(AtomGDNSpec, AtomStateManager,
   uniform_type_base_spec=MambaSpec)` and the same for `AtomGDNInteriorSpec`
   with `AtomInteriorStateManager` (vllm/v1/kv_cache_spec_registry.py);
@@ -9,16 +8,28 @@ Written against vLLM 0.32.0:
   vllm/model_executor/custom_op.py);
 - `KVConnectorFactory.register_connector("AtomStatsConnector", ...)`: the
   connector that carries our counters to /metrics (vllm/distributed/
-  kv_transfer/kv_connector/factory.py), chosen by `--kv-transfer-config`;
-- the scheduler is chosen by vLLM's own `--scheduler-cls` setting
-  (`atom_hybrid_cache.vllm.scheduler.AtomScheduler`), not registered.
+  kv_transfer/kv_connector/factory.py), chosen by `--kv-transfer-config`.
+
+The one monkeypatch (listed in `PATCHES`): vLLM has no registry for the
+scheduler class, only its `--scheduler-cls` setting, so
+`SchedulerConfig.get_scheduler_cls` (vllm/config/scheduler.py) is wrapped
+to answer `AtomScheduler` / `AtomAsyncScheduler` where that setting is
+unset and the plugin is enabled (see `default_scheduler_class`).
 """
 
 from __future__ import annotations
 
-PATCHES: tuple = ()  # monkeypatches applied to vLLM: none
+import logging
 
-_done = {"manager": False, "layer": False, "connector": False}
+logger = logging.getLogger("atom_hybrid_cache")
+
+# Every monkeypatch applied to vLLM: (what, the vLLM version it was written against).
+PATCHES: tuple = (
+    ("vllm.config.scheduler.SchedulerConfig.get_scheduler_cls: AtomScheduler "
+     "(AtomAsyncScheduler with async scheduling) where --scheduler-cls is unset", "0.32.0"),
+)
+
+_done = {"manager": False, "layer": False, "connector": False, "scheduler": False}
 
 
 def register_cache_manager() -> None:
@@ -71,7 +82,52 @@ def register_stats_connector() -> None:
     _done["connector"] = True
 
 
+def default_scheduler_class() -> None:
+    """With the plugin enabled and `--scheduler-cls` unset, vLLM builds our
+    scheduler. Idempotent.
+
+    Why: the scheduler places the checkpoints, orders a freed request's
+    pages and counts the stats; without it the state managers behave
+    exactly like vLLM's, so `VLLM_PLUGINS=atom_hybrid_cache vllm serve
+    MODEL` alone would change nothing. vLLM calls `get_scheduler_cls` once,
+    in the engine-core process, after loading the general plugins there.
+    An explicit `--scheduler-cls` wins; one that is not ours is warned
+    about. `enabled()` is read at the call, not at patch time, so an engine
+    built later in the same process without the plugin named (the
+    benchmarks' native runs) gets vLLM's class."""
+    if _done["scheduler"]:
+        return
+    from vllm.config.scheduler import SchedulerConfig
+
+    from . import plugin
+
+    vllm_get_scheduler_cls = SchedulerConfig.get_scheduler_cls
+
+    def get_scheduler_cls(self):
+        if not plugin.enabled():
+            return vllm_get_scheduler_cls(self)
+        from .scheduler import AtomAsyncScheduler, AtomScheduler, AtomSchedulerMixin
+
+        if self.scheduler_cls is None:
+            cls = AtomAsyncScheduler if self.async_scheduling else AtomScheduler
+            logger.info("atom_hybrid_cache: scheduler %s (vLLM's --scheduler-cls is unset)",
+                        cls.__name__)
+            return cls
+        cls = vllm_get_scheduler_cls(self)
+        if not (isinstance(cls, type) and issubclass(cls, AtomSchedulerMixin)):
+            logger.warning("atom_hybrid_cache: --scheduler-cls %s is not ours: checkpoint "
+                           "placement, eviction order and stats are vLLM's (unset it, or "
+                           "subclass atom_hybrid_cache.vllm.scheduler.AtomScheduler)",
+                           getattr(cls, "__qualname__", cls))
+        return cls
+
+    get_scheduler_cls.__wrapped__ = vllm_get_scheduler_cls
+    SchedulerConfig.get_scheduler_cls = get_scheduler_cls
+    _done["scheduler"] = True
+
+
 def register_all() -> None:
     register_cache_manager()
     register_gdn_layer()
     register_stats_connector()
+    default_scheduler_class()

@@ -1,8 +1,11 @@
 """vLLM's scheduler with our checkpoint placement and eviction order.
 
-Select it with vLLM's own setting, `--scheduler-cls
-atom_hybrid_cache.vllm.scheduler.AtomScheduler` (`AtomAsyncScheduler` when
-async scheduling is on). It overrides three scheduler steps and nothing else:
+With the plugin enabled, vLLM builds it when `--scheduler-cls` is unset
+(`AtomAsyncScheduler` when async scheduling is on; see
+`registration.default_scheduler_class`); `--scheduler-cls
+atom_hybrid_cache.vllm.scheduler.AtomScheduler` names it explicitly, and
+also selects it where the plugin is not enabled (the admission gate for an
+attention-only model). It overrides three scheduler steps and nothing else:
 
 - `_mamba_block_aligned_split`: where the GDN layers cannot write states
   from inside a forward (see `AtomGDNSpec.interior_checkpoints`), a forward

@@ -2,9 +2,10 @@
 
 Acceptance items 3 and 6 of the vLLM plugin issue:
 
-* the server starts with the plugin and its scheduler (``--scheduler-cls
-  atom_hybrid_cache.vllm.scheduler.AtomScheduler --prefix-match-unit 64``),
-  answers the same long prompt twice on ``/v1/completions``, and the second
+* the server starts with the plugin (``--enable-prefix-caching
+  --prefix-match-unit 64``, no ``--scheduler-cls``: the enabled plugin makes
+  vLLM build ``AtomScheduler``), answers the same long prompt twice on
+  ``/v1/completions``, and the second
   answer reports cached prompt tokens (usage block and ``/metrics``); the
   server log carries the plugin's "atom_hybrid_cache enabled" line, the
   scheduler's set-up line and the core's stats lines;
@@ -12,7 +13,9 @@ Acceptance items 3 and 6 of the vLLM plugin issue:
   message naming the variable;
 * with ``--kv-transfer-config '{"kv_connector": "AtomStatsConnector", ...}'``
   the core's counters appear on ``/metrics`` as ``vllm:atom_*`` (the
-  connector moves no KV: the hits are those of the first test).
+  connector moves no KV: the hits are those of the first test); this server
+  names the scheduler explicitly, ``--scheduler-cls
+  atom_hybrid_cache.vllm.scheduler.AtomScheduler``.
 
 Every server runs in its own process group (``start_new_session=True``) and
 is killed by group id in a ``finally`` (SIGTERM, then SIGKILL), so neither
@@ -52,6 +55,9 @@ PLUGIN = "atom_hybrid_cache"
 SCHEDULER_CLS = "atom_hybrid_cache.vllm.scheduler.AtomScheduler"
 SCHEDULER_LINE = "atom_hybrid_cache scheduler: 3 state groups, 1 KV groups"
 ENABLED_LINE = "atom_hybrid_cache enabled"
+DEFAULT_SCHEDULER_LINE = re.compile(
+    r"atom_hybrid_cache: scheduler Atom(Async)?Scheduler \(vLLM's --scheduler-cls is unset\)")
+SCHEDULER_ARGS = ("--scheduler-cls", SCHEDULER_CLS)
 HEALTH_DEADLINE_S = 300.0      # serve is healthy after 45-100 s here
 REQUEST_TIMEOUT_S = 120.0
 BAD_SETTING_DEADLINE_S = 150.0  # fails in ~17 s alone, ~40 s with four at once
@@ -97,7 +103,7 @@ def _serve_cmd(model: Path, port: int, extra_args: tuple = ()) -> list[str]:
             "--max-model-len", "2048", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "2048",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--scheduler-cls", SCHEDULER_CLS, "--prefix-match-unit", "64",
+            "--prefix-match-unit", "64",
             "--seed", "0", *extra_args]
 
 
@@ -286,6 +292,9 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         # Our scheduler and state managers ran in the engine core, and the
         # core's stats lines (one report per admission here) reached the log.
         assert SCHEDULER_LINE in log, _tail(log_path)
+        # chosen by the plugin: this command names no scheduler class
+        assert DEFAULT_SCHEDULER_LINE.search(log), _tail(log_path)
+        assert "Using custom scheduler class" not in log
         stats = re.findall(r"\[Cache Stats\] admissions=(\d+) reusable=(\d+) cached=(\d+)", log)
         assert ("2", "576", "576") in stats, (stats, _tail(log_path))
         assert "[Cache Pools]" in log and "[Checkpoint Fates]" in log
@@ -294,7 +303,8 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
 # -- our counters on /metrics, through the stats connector -----------------
 
 STATS_CONNECTOR_ARGS = ("--kv-transfer-config",
-                        json.dumps({"kv_connector": "AtomStatsConnector", "kv_role": "kv_both"}))
+                        json.dumps({"kv_connector": "AtomStatsConnector", "kv_role": "kv_both"}),
+                        *SCHEDULER_ARGS)
 
 
 @pytest.mark.slow
@@ -333,6 +343,8 @@ def test_serve_exports_the_cache_counters_on_metrics(tiny_model_path, vllm_cpu_e
         # vLLM keeps the hybrid KV cache manager on (the connector declares
         # SupportsHMA), or the plugin's state groups would not exist
         assert SCHEDULER_LINE in log, _tail(log_path)
+        # named explicitly here: vLLM's class setting, not our default
+        assert not DEFAULT_SCHEDULER_LINE.search(log)
 
 
 # -- 6. bad settings stop start-up, naming the variable --------------------

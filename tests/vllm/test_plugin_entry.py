@@ -74,3 +74,61 @@ def test_vllm_loader_calls_register(monkeypatch):
     plugins.load_general_plugins()
     assert plugin._registered is not None
     assert plugin._registered.interval_tokens == -1
+
+
+# -- the scheduler class (registration.default_scheduler_class) -------------
+
+def _scheduler_config(**kwargs):
+    from vllm.config.scheduler import SchedulerConfig
+    return SchedulerConfig.default_factory(**kwargs)
+
+
+def test_enabled_plugin_makes_our_scheduler_the_default(monkeypatch, caplog):
+    """`VLLM_PLUGINS=atom_hybrid_cache vllm serve MODEL` with no
+    --scheduler-cls builds AtomScheduler (AtomAsyncScheduler with async
+    scheduling); without the patch vLLM answers its own Scheduler and the
+    plugin's placement, eviction order and stats never run."""
+    pytest.importorskip("vllm")
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from atom_hybrid_cache.vllm import registration
+    from atom_hybrid_cache.vllm.scheduler import AtomAsyncScheduler, AtomScheduler
+
+    monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
+    plugin.register()
+    assert any("get_scheduler_cls" in what and version == "0.32.0"
+               for what, version in registration.PATCHES)
+    with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
+        assert _scheduler_config(async_scheduling=False).get_scheduler_cls() is AtomScheduler
+        assert _scheduler_config(async_scheduling=True).get_scheduler_cls() is AtomAsyncScheduler
+    assert "atom_hybrid_cache: scheduler AtomScheduler (vLLM's --scheduler-cls is unset)" in \
+        caplog.messages
+
+    # an explicit class wins; one that is not ours is warned about
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
+        mine = _scheduler_config(async_scheduling=False,
+                                 scheduler_cls="atom_hybrid_cache.vllm.scheduler.AtomScheduler")
+        assert mine.get_scheduler_cls() is AtomScheduler
+        assert not [r for r in caplog.records
+                    if r.name == "atom_hybrid_cache" and r.levelno >= logging.WARNING]
+        other = _scheduler_config(async_scheduling=False,
+                                  scheduler_cls="vllm.v1.core.sched.scheduler.Scheduler")
+        assert other.get_scheduler_cls() is Scheduler
+    assert [r.message for r in caplog.records
+            if r.name == "atom_hybrid_cache" and r.levelno >= logging.WARNING] == [
+        "atom_hybrid_cache: --scheduler-cls Scheduler is not ours: checkpoint placement, "
+        "eviction order and stats are vLLM's (unset it, or subclass "
+        "atom_hybrid_cache.vllm.scheduler.AtomScheduler)"]
+
+    # read at the call: an engine built later without the plugin named gets
+    # vLLM's classes, and registering again wraps nothing twice
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert _scheduler_config(async_scheduling=False).get_scheduler_cls() is Scheduler
+    assert _scheduler_config(async_scheduling=True).get_scheduler_cls() is AsyncScheduler
+    from vllm.config.scheduler import SchedulerConfig
+    wrapped = SchedulerConfig.get_scheduler_cls
+    registration.default_scheduler_class()
+    assert SchedulerConfig.get_scheduler_cls is wrapped
+    assert not hasattr(wrapped.__wrapped__, "__wrapped__")
