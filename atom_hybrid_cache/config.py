@@ -26,6 +26,12 @@ ADMISSION_GATE_MAX_HOLD_STEPS = 32
 # back. BENCHMARKS.md's sweep shows fewer losing hits and more costing KV.
 DEFAULT_HEADROOM_PER_SEQ = 8
 
+# The prefix-hash unit the plugin gives vLLM when `--prefix-match-unit` is
+# unset (the largest divisor of the block size up to this): vLLM's default
+# unit for a hybrid model is its block, raised to a state page (hundreds of
+# tokens), and a resume can land only on a unit boundary. vLLM's flag wins.
+PREFIX_MATCH_UNIT_TOKENS = 64
+
 # Admissions between two stats reports in a vLLM server when
 # ATOM_STATS_LOG_INTERVAL is unset (the replay planner reports at its end).
 SERVER_STATS_LOG_INTERVAL = 100

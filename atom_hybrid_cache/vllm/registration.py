@@ -10,16 +10,21 @@ Written against vLLM 0.32.0. Through vLLM's registries:
   connector that carries our counters to /metrics (vllm/distributed/
   kv_transfer/kv_connector/factory.py), chosen by `--kv-transfer-config`.
 
-The one monkeypatch (listed in `PATCHES`): vLLM has no registry for the
-scheduler class, only its `--scheduler-cls` setting, so
-`SchedulerConfig.get_scheduler_cls` (vllm/config/scheduler.py) is wrapped
-to answer `AtomScheduler` / `AtomAsyncScheduler` where that setting is
-unset and the plugin is enabled (see `default_scheduler_class`).
+Two monkeypatches (listed in `PATCHES`), for two choices vLLM makes from a
+setting and no registry; each acts only where its setting is unset and the
+plugin is enabled:
+- `SchedulerConfig.get_scheduler_cls` (vllm/config/scheduler.py) answers
+  `AtomScheduler` / `AtomAsyncScheduler` (see `default_scheduler_class`);
+- `resolve_kv_cache_block_sizes` (vllm/v1/core/kv_cache_utils.py, and its
+  binding in vllm/v1/engine/core.py) hashes prefixes on 64-token units
+  instead of the state-page-sized block (see `default_prefix_match_unit`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from typing import Optional
 
 logger = logging.getLogger("atom_hybrid_cache")
 
@@ -27,16 +32,20 @@ logger = logging.getLogger("atom_hybrid_cache")
 PATCHES: tuple = (
     ("vllm.config.scheduler.SchedulerConfig.get_scheduler_cls: AtomScheduler "
      "(AtomAsyncScheduler with async scheduling) where --scheduler-cls is unset", "0.32.0"),
+    ("vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes (and vllm.v1.engine.core's "
+     "binding): prefix hashes every gcd(64, block size) tokens on models with our state "
+     "groups where --prefix-match-unit is unset", "0.32.0"),
 )
 
-_done = {"manager": False, "layer": False, "connector": False, "scheduler": False}
+_done = {"manager": False, "layer": False, "connector": False, "scheduler": False,
+         "unit": False}
 
 
 def register_cache_manager() -> None:
     """Our state groups get AtomStateManager. Idempotent."""
     if _done["manager"]:
         return
-    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     from .spec import AtomGDNInteriorSpec, AtomGDNSpec
@@ -126,8 +135,89 @@ def default_scheduler_class() -> None:
     _done["scheduler"] = True
 
 
+def plugin_prefix_match_unit(kv_cache_config, vllm_config) -> Optional[int]:
+    """The prefix-hash unit the plugin asks of vLLM for this engine, or None
+    to leave vLLM's choice: where `--prefix-match-unit` is unset, prefix
+    caching runs in align mode, and a KV cache group holds our state pages,
+    the largest divisor of every prefix-cacheable group's block size up to
+    PREFIX_MATCH_UNIT_TOKENS, when that is finer than vLLM's default (the
+    GCD of those block sizes)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
+
+    from ..config import PREFIX_MATCH_UNIT_TOKENS
+    from .spec import AtomGDNSpec
+
+    cache = vllm_config.cache_config
+    groups = kv_cache_config.kv_cache_groups
+    if (cache.prefix_match_unit is not None or not cache.enable_prefix_caching
+            or len(groups) < 2 or vllm_config.parallel_config.decode_context_parallel_size != 1):
+        return None
+    layer_specs = [s for g in groups for s in iter_layer_specs(g.kv_cache_spec)]
+    if not any(isinstance(s, AtomGDNSpec) for s in layer_specs):
+        return None
+    if any(isinstance(s, MambaSpec) and s.mamba_cache_mode != "align" for s in layer_specs):
+        return None
+    specs = [g.kv_cache_spec for g in groups]
+    sizes = [s.block_size for s in specs if s.prefix_cacheable] or [s.block_size for s in specs]
+    unit = math.gcd(PREFIX_MATCH_UNIT_TOKENS, *sizes)
+    return unit if unit < math.gcd(*sizes) else None
+
+
+def default_prefix_match_unit() -> None:
+    """With the plugin enabled and `--prefix-match-unit` unset, a model with
+    our state groups hashes prefixes every 64 tokens (the largest divisor
+    of its block size up to 64). Idempotent.
+
+    Why: vLLM raises a hybrid model's block to a state page (400-1,600
+    tokens for Qwen3.5) and hashes on that block, so a prompt resumes only
+    at a multiple of it, and a prompt shorter than one block never hits.
+    vLLM resolves the unit once the workers have reported their KV cache
+    specs, in the engine-core process (`EngineCore._initialize_kv_caches`,
+    then again in `EngineCore.__init__`; the workers and the scheduler get
+    its answer). The wrapper sets `cache_config.prefix_match_unit` there,
+    so both calls agree, and leaves it unset again if vLLM rejects it.
+    `enabled()` is read at the call, as in `default_scheduler_class`."""
+    if _done["unit"]:
+        return
+    import sys
+
+    from vllm.v1.core import kv_cache_utils
+
+    from . import plugin
+
+    vllm_resolve = kv_cache_utils.resolve_kv_cache_block_sizes
+
+    def resolve_kv_cache_block_sizes(kv_cache_config, vllm_config):
+        unit = plugin_prefix_match_unit(kv_cache_config, vllm_config) if plugin.enabled() else None
+        if unit is None:
+            return vllm_resolve(kv_cache_config, vllm_config)
+        cache = vllm_config.cache_config
+        cache.prefix_match_unit = unit
+        try:
+            out = vllm_resolve(kv_cache_config, vllm_config)
+        except ValueError as e:
+            cache.prefix_match_unit = None
+            logger.warning("atom_hybrid_cache: vLLM rejects a %d-token prefix-hash unit here "
+                           "(%s); its default stands", unit, e)
+            return vllm_resolve(kv_cache_config, vllm_config)
+        logger.info("atom_hybrid_cache: prefix hashes every %d tokens (vLLM's "
+                    "--prefix-match-unit is unset; blocks are %d tokens)", unit, out[0])
+        return out
+
+    resolve_kv_cache_block_sizes.__wrapped__ = vllm_resolve
+    kv_cache_utils.resolve_kv_cache_block_sizes = resolve_kv_cache_block_sizes
+    # vllm.v1.engine.core binds the name at its import: rebind it there if
+    # it is loaded already (in the engine-core process it is: vLLM loads
+    # plugins from EngineCore.__init__); a later import binds ours.
+    core = sys.modules.get("vllm.v1.engine.core")
+    if core is not None and getattr(core, "resolve_kv_cache_block_sizes", None) is vllm_resolve:
+        core.resolve_kv_cache_block_sizes = resolve_kv_cache_block_sizes
+    _done["unit"] = True
+
+
 def register_all() -> None:
     register_cache_manager()
     register_gdn_layer()
     register_stats_connector()
     default_scheduler_class()
+    default_prefix_match_unit()

@@ -38,7 +38,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..config import SERVER_STATS_LOG_INTERVAL, CacheConfig, apply_env
+from ..config import (PREFIX_MATCH_UNIT_TOKENS, SERVER_STATS_LOG_INTERVAL, CacheConfig,
+                      apply_env)
 from .admission_gate import AdmissionGate
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
@@ -117,9 +118,10 @@ class AtomSchedulerMixin:
                     else "at prefill chunk ends (chunks cut onto them)",
                     env_cfg.admission_order, "on" if self._atom_gate else "off",
                     env_cfg.placement)
-        if self.hash_block_size > 64:
-            logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; "
-                           "pass --prefix-match-unit 64 for finer hits", self.hash_block_size)
+        if self.hash_block_size > PREFIX_MATCH_UNIT_TOKENS:
+            logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; leave "
+                           "--prefix-match-unit unset (the plugin then picks %d or a divisor "
+                           "of it) for finer hits", self.hash_block_size, PREFIX_MATCH_UNIT_TOKENS)
 
     # -- admission and chunking ------------------------------------------
     def _kv_prefix_tokens(self, request, hit: int = 0) -> int:

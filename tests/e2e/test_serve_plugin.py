@@ -2,9 +2,11 @@
 
 Acceptance items 3 and 6 of the vLLM plugin issue:
 
-* the server starts with the plugin (``--enable-prefix-caching
-  --prefix-match-unit 64``, no ``--scheduler-cls``: the enabled plugin makes
-  vLLM build ``AtomScheduler``), answers the same long prompt twice on
+* the server starts with the plugin and the issue's command, ``VLLM_PLUGINS=
+  atom_hybrid_cache vllm serve MODEL --enable-prefix-caching`` (plus small-CPU
+  sizes): no ``--scheduler-cls`` and no ``--prefix-match-unit``, the enabled
+  plugin makes vLLM build ``AtomScheduler`` and hash prefixes every 64 tokens
+  of the 128-token block; it answers the same long prompt twice on
   ``/v1/completions``, and the second
   answer reports cached prompt tokens (usage block and ``/metrics``); the
   server log carries the plugin's "atom_hybrid_cache enabled" line, the
@@ -14,8 +16,8 @@ Acceptance items 3 and 6 of the vLLM plugin issue:
 * with ``--kv-transfer-config '{"kv_connector": "AtomStatsConnector", ...}'``
   the core's counters appear on ``/metrics`` as ``vllm:atom_*`` (the
   connector moves no KV: the hits are those of the first test); this server
-  names the scheduler explicitly, ``--scheduler-cls
-  atom_hybrid_cache.vllm.scheduler.AtomScheduler``.
+  names the scheduler and the unit explicitly, ``--scheduler-cls
+  atom_hybrid_cache.vllm.scheduler.AtomScheduler --prefix-match-unit 64``.
 
 Every server runs in its own process group (``start_new_session=True``) and
 is killed by group id in a ``finally`` (SIGTERM, then SIGKILL), so neither
@@ -55,9 +57,11 @@ PLUGIN = "atom_hybrid_cache"
 SCHEDULER_CLS = "atom_hybrid_cache.vllm.scheduler.AtomScheduler"
 SCHEDULER_LINE = "atom_hybrid_cache scheduler: 3 state groups, 1 KV groups"
 ENABLED_LINE = "atom_hybrid_cache enabled"
+DEFAULT_UNIT_LINE = ("atom_hybrid_cache: prefix hashes every 64 tokens (vLLM's "
+                     "--prefix-match-unit is unset; blocks are 128 tokens)")
 DEFAULT_SCHEDULER_LINE = re.compile(
     r"atom_hybrid_cache: scheduler Atom(Async)?Scheduler \(vLLM's --scheduler-cls is unset\)")
-SCHEDULER_ARGS = ("--scheduler-cls", SCHEDULER_CLS)
+EXPLICIT_ARGS = ("--scheduler-cls", SCHEDULER_CLS, "--prefix-match-unit", "64")
 HEALTH_DEADLINE_S = 300.0      # serve is healthy after 45-100 s here
 REQUEST_TIMEOUT_S = 120.0
 BAD_SETTING_DEADLINE_S = 150.0  # fails in ~17 s alone, ~40 s with four at once
@@ -103,7 +107,6 @@ def _serve_cmd(model: Path, port: int, extra_args: tuple = ()) -> list[str]:
             "--max-model-len", "2048", "--max-num-seqs", "4",
             "--max-num-batched-tokens", "2048",
             "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--prefix-match-unit", "64",
             "--seed", "0", *extra_args]
 
 
@@ -292,8 +295,10 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         # Our scheduler and state managers ran in the engine core, and the
         # core's stats lines (one report per admission here) reached the log.
         assert SCHEDULER_LINE in log, _tail(log_path)
-        # chosen by the plugin: this command names no scheduler class
+        # chosen by the plugin: this command names no scheduler class and
+        # no hash unit (vLLM's would be the block: the resend would get 512)
         assert DEFAULT_SCHEDULER_LINE.search(log), _tail(log_path)
+        assert DEFAULT_UNIT_LINE in log, _tail(log_path)
         assert "Using custom scheduler class" not in log
         stats = re.findall(r"\[Cache Stats\] admissions=(\d+) reusable=(\d+) cached=(\d+)", log)
         assert ("2", "576", "576") in stats, (stats, _tail(log_path))
@@ -304,7 +309,7 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
 
 STATS_CONNECTOR_ARGS = ("--kv-transfer-config",
                         json.dumps({"kv_connector": "AtomStatsConnector", "kv_role": "kv_both"}),
-                        *SCHEDULER_ARGS)
+                        *EXPLICIT_ARGS)
 
 
 @pytest.mark.slow
@@ -343,8 +348,9 @@ def test_serve_exports_the_cache_counters_on_metrics(tiny_model_path, vllm_cpu_e
         # vLLM keeps the hybrid KV cache manager on (the connector declares
         # SupportsHMA), or the plugin's state groups would not exist
         assert SCHEDULER_LINE in log, _tail(log_path)
-        # named explicitly here: vLLM's class setting, not our default
+        # named explicitly here: vLLM's settings, not our defaults
         assert not DEFAULT_SCHEDULER_LINE.search(log)
+        assert "prefix hashes every" not in log
 
 
 # -- 6. bad settings stop start-up, naming the variable --------------------

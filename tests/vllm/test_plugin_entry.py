@@ -132,3 +132,58 @@ def test_enabled_plugin_makes_our_scheduler_the_default(monkeypatch, caplog):
     registration.default_scheduler_class()
     assert SchedulerConfig.get_scheduler_cls is wrapped
     assert not hasattr(wrapped.__wrapped__, "__wrapped__")
+
+
+# -- the prefix-hash unit (registration.default_prefix_match_unit) ----------
+
+def _hash_unit(block_size, prefix_match_unit, ours=True):
+    """vLLM's (scheduler block, hash unit) for qwen3.5-27b-like geometry, as
+    EngineCore resolves them (scheduler bench's build_configs, no model):
+    `block_size` None is vLLM's default 16 (a 400-token hybrid block), 64
+    gives 448-token blocks; `ours` declares AtomGDNSpec state groups."""
+    from scheduler_bench_module import load_scheduler_bench
+
+    from atom_hybrid_cache.vllm.spec import AtomGDNSpec
+
+    SB = load_scheduler_bench()
+    built = SB.build_configs(SB.Policy("probe", block_size, prefix_match_unit),
+                             concurrency=2, budget_bytes=4 * SB.GIB, max_model_len=32_768,
+                             mamba_spec_cls=AtomGDNSpec if ours else None)
+    return built.scheduler_block_size, built.hash_block_size
+
+
+def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
+    """`VLLM_PLUGINS=atom_hybrid_cache vllm serve MODEL --enable-prefix-caching`
+    with no --prefix-match-unit: vLLM would hash on its 400-token hybrid
+    block (a prompt could resume only at multiples of 400, and one shorter
+    than 400 tokens never); with the plugin the unit is the largest divisor
+    of the block up to 64 (16 for 400, 64 for 448). Without the patch the
+    first assertion fails with (400, 400)."""
+    pytest.importorskip("vllm")
+    from atom_hybrid_cache.vllm import registration
+
+    monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
+    plugin.register()
+    assert any("resolve_kv_cache_block_sizes" in what and version == "0.32.0"
+               for what, version in registration.PATCHES)
+    with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
+        assert _hash_unit(None, None) == (400, 16)
+        assert _hash_unit(64, None) == (448, 64)
+    assert ("atom_hybrid_cache: prefix hashes every 64 tokens (vLLM's --prefix-match-unit "
+            "is unset; blocks are 448 tokens)") in caplog.messages
+    # an explicit unit wins; vLLM's own state groups are not ours to change
+    assert _hash_unit(64, 64) == (448, 64)
+    assert _hash_unit(64, 448) == (448, 448)
+    assert _hash_unit(None, None, ours=False) == (400, 400)
+    # read at the call: without the plugin named, vLLM's default
+    monkeypatch.delenv("VLLM_PLUGINS")
+    assert _hash_unit(None, None) == (400, 400)
+    assert _hash_unit(64, None) == (448, 448)
+    # wrapped once, and vllm.v1.engine.core calls the wrapper
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.engine import core
+    wrapped = kv_cache_utils.resolve_kv_cache_block_sizes
+    registration.default_prefix_match_unit()
+    assert kv_cache_utils.resolve_kv_cache_block_sizes is wrapped
+    assert core.resolve_kv_cache_block_sizes is wrapped
+    assert not hasattr(wrapped.__wrapped__, "__wrapped__")
