@@ -190,6 +190,10 @@ POLICIES: dict[str, Policy] = {
     "plugin-gated-hits-first": Policy("plugin-gated-hits-first", 64, 64, plugin=True,
                                       env=(("ATOM_ADMISSION_GATE", "on"),
                                            ("ATOM_ADMISSION_ORDER", "hits-first"))),
+    # vLLM's default --block-size (native's block) and no --prefix-match-unit:
+    # the hash unit the plugin then asks vLLM for (registration.
+    # plugin_prefix_match_unit: gcd(64, 400) = 16 in this geometry)
+    "plugin-default-block": Policy("plugin-default-block", None, 16, plugin=True),
 }
 
 
