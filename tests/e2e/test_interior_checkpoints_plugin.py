@@ -117,6 +117,17 @@ def _state_pages(llm, positions, state_caches):
     return out
 
 
+def _null_block_nonzero(llm, state_caches) -> list:
+    """The GDN layers whose page 0 (vLLM's null block) holds a nonzero byte
+    in the conv window or the recurrent state. Every layer must have written
+    some other page, or the check would look at tensors nobody writes."""
+    null = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool.null_block
+    assert null.block_id == 0
+    layers = state_caches(llm)
+    assert len(layers) == 3 and all(ssm[1:].any().item() for _, _, _, ssm in layers)
+    return [name for _, name, conv, ssm in layers if conv[0].any().item() or ssm[0].any().item()]
+
+
 def _run(llm, calls, positions=(), state_caches=None):
     """Per prompt (D, A, B, C): (cached tokens, output, prefill forwards of
     its generate call, logprob of the output token); and the state pages A
@@ -143,6 +154,7 @@ def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, m
     calls = _calls()
     runs = {"off": _run(make_llm(enable_prefix_caching=False), calls)}
     pages = {}
+    null_pages = {}
 
     # what VLLM_PLUGINS=atom_hybrid_cache does at start-up (vLLM loads
     # plugins once per process, so register explicitly); restored after
@@ -168,6 +180,12 @@ def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, m
             runs[name], pages[name] = _run(llm, calls, RUNGS, pressure_bench.state_caches)
         else:
             runs[name] = _run(llm, calls)
+        null_pages[name] = _null_block_nonzero(llm, pressure_bench.state_caches)
+
+    # The null block (page 0, every block table's placeholder) never held a
+    # state image, whether states are written at chunk ends or inside a
+    # forward (the guard's first rule, on the real cache tensors)
+    assert null_pages == {"no-checkpoints": [], "cut": [], "interior": []}
 
     ref = runs["off"]
     for name, rows in runs.items():
