@@ -139,8 +139,9 @@ def plugin_prefix_match_unit(kv_cache_config, vllm_config) -> Optional[int]:
     """The prefix-hash unit the plugin asks of vLLM for this engine, or None
     to leave vLLM's choice: where `--prefix-match-unit` is unset, prefix
     caching runs in align mode, and a KV cache group holds our state pages,
-    the largest divisor of every prefix-cacheable group's block size up to
-    PREFIX_MATCH_UNIT_TOKENS, when that is finer than vLLM's default (the
+    the greatest common divisor of PREFIX_MATCH_UNIT_TOKENS and every
+    prefix-cacheable group's block size (a power of two: a 400-token block
+    gives 16, not 50), when that is finer than vLLM's default (the
     GCD of those block sizes)."""
     from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
 
@@ -165,8 +166,8 @@ def plugin_prefix_match_unit(kv_cache_config, vllm_config) -> Optional[int]:
 
 def default_prefix_match_unit() -> None:
     """With the plugin enabled and `--prefix-match-unit` unset, a model with
-    our state groups hashes prefixes every 64 tokens (the largest divisor
-    of its block size up to 64). Idempotent.
+    our state groups hashes prefixes every 64 tokens, or every gcd(64,
+    block size) tokens where 64 does not divide the block. Idempotent.
 
     Why: vLLM raises a hybrid model's block to a state page (400-1,600
     tokens for Qwen3.5) and hashes on that block, so a prompt resumes only

@@ -156,8 +156,8 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
     """`VLLM_PLUGINS=atom_hybrid_cache vllm serve MODEL --enable-prefix-caching`
     with no --prefix-match-unit: vLLM would hash on its 400-token hybrid
     block (a prompt could resume only at multiples of 400, and one shorter
-    than 400 tokens never); with the plugin the unit is the largest divisor
-    of the block up to 64 (16 for 400, 64 for 448). Without the patch the
+    than 400 tokens never); with the plugin the unit is gcd(64, block)
+    (16 for 400, 64 for 448). Without the patch the
     first assertion fails with (400, 400)."""
     pytest.importorskip("vllm")
     from atom_hybrid_cache.vllm import registration
