@@ -289,6 +289,51 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
 }
 
 
+# vLLM's channel for options of what it loads (its own GDN layers read
+# theirs there too): `--additional-config '{"atom_hybrid_cache": {...}}'`.
+ADDITIONAL_CONFIG_KEY = "atom_hybrid_cache"
+
+
+def engine_settings(environ: Optional[Mapping[str, str]] = None,
+                    additional_config: object = None) -> dict:
+    """The ATOM_* settings of one vLLM engine, as `apply_env` takes them:
+    the exported variables, then the entries of vLLM's
+    `--additional-config '{"atom_hybrid_cache": {"ATOM_...": value}}'`,
+    which win (one engine's settings over the process's). A value may be a
+    string, a number, a boolean (1/0) or a list (comma-joined). Every entry
+    is parsed here, so an error names where it came from."""
+    env = os.environ if environ is None else environ
+    out = {k: v for k, v in env.items() if k.startswith("ATOM_")}
+    ours = additional_config.get(ADDITIONAL_CONFIG_KEY) \
+        if isinstance(additional_config, Mapping) else None
+    if ours is None:
+        return out
+    where = f"--additional-config {ADDITIONAL_CONFIG_KEY}"
+    if not isinstance(ours, Mapping):
+        raise ConfigError(f"{where} must be a JSON object of ATOM_* settings, "
+                          f"not {type(ours).__name__}")
+    for var, value in ours.items():
+        if var not in ENV_VARS:
+            raise ConfigError(f"unknown setting {where}.{var}; known: "
+                              f"{', '.join(sorted(ENV_VARS))}")
+        if isinstance(value, bool):
+            raw = "1" if value else "0"
+        elif isinstance(value, (int, float, str)):
+            raw = str(value)
+        elif isinstance(value, (list, tuple)) and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+            raw = ",".join(str(x) for x in value)
+        else:
+            raise ConfigError(f"{where}.{var}={value!r}: give a string, number, boolean or "
+                              "list of numbers")
+        try:
+            ENV_VARS[var][2](var, raw)
+        except ConfigError as e:
+            raise ConfigError(f"{e} (from {where})") from None
+        out[var] = raw
+    return out
+
+
 def apply_env(cfg: CacheConfig, environ: Optional[Mapping[str, str]] = None) -> CacheConfig:
     """`cfg` with every exported ATOM_* variable applied; unknown ATOM_*
     variables are an error (a typo would otherwise be silently ignored)."""

@@ -21,7 +21,7 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedD
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import _encode_layer_name
 
-from ..config import CacheConfig, apply_env
+from ..config import CacheConfig, apply_env, engine_settings
 from ..kernels.capability import interior_states_readable
 from .gdn_backend import AtomGDNBackend
 from .spec import AtomGDNSpec
@@ -29,7 +29,8 @@ from .spec import AtomGDNSpec
 
 def interior_checkpoints_available(vllm_config) -> bool:
     cache = vllm_config.cache_config
-    return (apply_env(CacheConfig(), os.environ).interior_checkpoints == "on"
+    settings = engine_settings(os.environ, vllm_config.additional_config)
+    return (apply_env(CacheConfig(), settings).interior_checkpoints == "on"
             and interior_states_readable(["gated_delta_net"])
             and current_platform.is_cpu()
             and vllm_config.speculative_config is None

@@ -38,8 +38,8 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..config import (PREFIX_MATCH_UNIT_TOKENS, SERVER_STATS_LOG_INTERVAL, CacheConfig,
-                      apply_env)
+from ..config import (ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, SERVER_STATS_LOG_INTERVAL,
+                      CacheConfig, apply_env, engine_settings)
 from .admission_gate import AdmissionGate
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
@@ -59,7 +59,13 @@ class AtomSchedulerMixin:
     def _atom_setup(self) -> None:
         self._atom = None
         self._atom_gate = None
-        env_cfg = apply_env(CacheConfig(), os.environ)
+        # the exported ATOM_* variables, then this engine's --additional-config
+        extra = self.vllm_config.additional_config
+        settings = engine_settings(os.environ, extra)
+        env_cfg = apply_env(CacheConfig(), settings)
+        if isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY):
+            logger.info("atom_hybrid_cache: settings from --additional-config: %s",
+                        extra[ADDITIONAL_CONFIG_KEY])
         if (env_cfg.admission_gate == "on" and self.cache_config.enable_prefix_caching
                 and isinstance(self.waiting, deque)):
             # the gate needs no state groups: it also serves attention-only models
@@ -81,7 +87,7 @@ class AtomSchedulerMixin:
         if not self.cache_config.enable_prefix_caching or first.mamba_cache_mode != "align":
             return
         interval = env_cfg.stats_log_interval
-        if "ATOM_STATS_LOG_INTERVAL" not in os.environ:
+        if "ATOM_STATS_LOG_INTERVAL" not in settings:
             interval = SERVER_STATS_LOG_INTERVAL
         block_size = first.block_size
         num_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks

@@ -161,18 +161,22 @@ def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, m
     monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
     from atom_hybrid_cache.vllm import plugin
     plugin.register()
+    # (exported variables, vLLM's --additional-config): the interior engine
+    # takes its switch from the engine's own config, which the GDN layers
+    # (spec) and the scheduler (planner) must both read
     engines = {
-        "no-checkpoints": {"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "0"},
-        "cut": {"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "256"},
-        "interior": {"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "256", "ATOM_INTERIOR_CHECKPOINTS": "on"},
+        "no-checkpoints": ({"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "0"}, {}),
+        "cut": ({"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "256"}, {}),
+        "interior": ({"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "256"},
+                     {"atom_hybrid_cache": {"ATOM_INTERIOR_CHECKPOINTS": "on"}}),
     }
-    for name, env in engines.items():
+    for name, (env, additional_config) in engines.items():
         for var in ("ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS", "ATOM_INTERIOR_CHECKPOINTS"):
             monkeypatch.delenv(var, raising=False)
         for var, value in env.items():
             monkeypatch.setenv(var, value)
         llm = make_llm(enable_prefix_caching=True, prefix_match_unit=64,
-                       scheduler_cls=PLUGIN_SCHEDULER)
+                       scheduler_cls=PLUGIN_SCHEDULER, additional_config=additional_config)
         planner = llm.llm_engine.engine_core.engine_core.scheduler._atom
         assert planner is not None
         assert planner.interior_readable is (name == "interior")

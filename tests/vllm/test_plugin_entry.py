@@ -187,3 +187,38 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
     assert kv_cache_utils.resolve_kv_cache_block_sizes is wrapped
     assert core.resolve_kv_cache_block_sizes is wrapped
     assert not hasattr(wrapped.__wrapped__, "__wrapped__")
+
+
+# -- settings through vLLM's --additional-config ----------------------------
+
+def _plugin_scheduler(additional_config):
+    from scheduler_bench_module import load_scheduler_bench
+
+    SB = load_scheduler_bench()
+    spec_cls, sched_cls, register = SB.load_plugin()
+    register()
+    built = SB.build_configs(SB.POLICIES["plugin"], concurrency=2, budget_bytes=4 * SB.GIB,
+                             max_model_len=32_768, mamba_spec_cls=spec_cls)
+    built.vllm_config.additional_config = additional_config
+    return SB.make_scheduler(built, sched_cls)
+
+
+def test_additional_config_sets_the_engines_settings(monkeypatch, caplog):
+    """`--additional-config '{"atom_hybrid_cache": {...}}'` reaches our
+    scheduler, over an exported variable; a bad entry stops the engine at
+    start-up naming it."""
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("ATOM_ADMISSION_ORDER", "arrival")
+    plain = _plugin_scheduler({})
+    assert plain._atom is not None and not plain._atom_hits_first and plain._atom_gate is None
+    with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
+        tuned = _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_ORDER": "hits-first",
+                                                         "ATOM_ADMISSION_GATE": "on",
+                                                         "ATOM_STATE_CHECKPOINT_SPAN": [0.5, 0.875]}})
+    assert tuned._atom_hits_first and tuned._atom_gate is not None
+    assert tuned._atom.placement.span_fractions == (0.5, 0.875)
+    assert any(m.startswith("atom_hybrid_cache: settings from --additional-config: ")
+               for m in caplog.messages)
+    with pytest.raises(ConfigError, match=r"ATOM_ADMISSION_GATE='yes' must be one of off, on "
+                                          r"\(from --additional-config atom_hybrid_cache\)"):
+        _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_GATE": "yes"}})

@@ -1,0 +1,49 @@
+"""`config.engine_settings`: one engine's ATOM_* settings from the exported
+variables and vLLM's `--additional-config '{"atom_hybrid_cache": {...}}'`."""
+
+from __future__ import annotations
+
+import pytest
+
+from atom_hybrid_cache.config import (ADDITIONAL_CONFIG_KEY, CacheConfig, ConfigError, apply_env,
+                                      engine_settings)
+
+
+def test_exported_variables_only_when_the_engine_names_nothing():
+    env = {"ATOM_ADMISSION_GATE": "on", "PATH": "/bin"}
+    assert engine_settings(env, {}) == {"ATOM_ADMISSION_GATE": "on"}
+    assert engine_settings(env, None) == {"ATOM_ADMISSION_GATE": "on"}
+    assert engine_settings(env, {"gdn_prefill_backend": "auto"}) == {"ATOM_ADMISSION_GATE": "on"}
+
+
+def test_additional_config_wins_and_takes_json_types():
+    env = {"ATOM_ADMISSION_GATE": "off", "ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "4096"}
+    extra = {ADDITIONAL_CONFIG_KEY: {"ATOM_ADMISSION_GATE": "on",
+                                     "ATOM_STATE_CHECKPOINT_SPAN": [0.5, 0.875],
+                                     "ATOM_STATE_CHECKPOINT_DEMAND": False,
+                                     "ATOM_STATS_LOG_INTERVAL": 10}}
+    settings = engine_settings(env, extra)
+    assert settings == {"ATOM_ADMISSION_GATE": "on", "ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "4096",
+                        "ATOM_STATE_CHECKPOINT_SPAN": "0.5,0.875",
+                        "ATOM_STATE_CHECKPOINT_DEMAND": "0", "ATOM_STATS_LOG_INTERVAL": "10"}
+    cfg = apply_env(CacheConfig(), settings)
+    assert (cfg.admission_gate, cfg.stats_log_interval) == ("on", 10)
+    assert cfg.placement.span_fractions == (0.5, 0.875)
+    assert cfg.placement.demand is False and cfg.placement.interval_tokens == 4096
+
+
+@pytest.mark.parametrize("ours,message", [
+    ({"ATOM_ADMISSION_GATE": "maybe"},
+     "ATOM_ADMISSION_GATE='maybe' must be one of off, on (from --additional-config "
+     "atom_hybrid_cache)"),
+    ({"ATOM_STATE_CHECKPOINT_INTERVALL_TOKENS": 4096},
+     "unknown setting --additional-config atom_hybrid_cache.ATOM_STATE_CHECKPOINT_INTERVALL_TOKENS"),
+    ({"ATOM_STATE_CHECKPOINT_SPAN": {"a": 1}},
+     "--additional-config atom_hybrid_cache.ATOM_STATE_CHECKPOINT_SPAN={'a': 1}: give a string"),
+    ({"ATOM_STATE_CHECKPOINT_SLOTS": "-4"}, "ATOM_STATE_CHECKPOINT_SLOTS"),
+    ("ATOM_ADMISSION_GATE=on", "--additional-config atom_hybrid_cache must be a JSON object"),
+])
+def test_a_bad_entry_names_the_setting_and_where_it_came_from(ours, message):
+    with pytest.raises(ConfigError) as e:
+        apply_env(CacheConfig(), engine_settings({}, {ADDITIONAL_CONFIG_KEY: ours}))
+    assert message in str(e.value)
