@@ -334,6 +334,14 @@ def engine_settings(environ: Optional[Mapping[str, str]] = None,
     return out
 
 
+def engine_config(additional_config: object = None, base: Optional[CacheConfig] = None,
+                  environ: Optional[Mapping[str, str]] = None) -> CacheConfig:
+    """`base` (the defaults when None) with one vLLM engine's settings
+    applied: the exported ATOM_* variables and its --additional-config
+    (`engine_settings`)."""
+    return apply_env(base or CacheConfig(), engine_settings(environ, additional_config))
+
+
 def apply_env(cfg: CacheConfig, environ: Optional[Mapping[str, str]] = None) -> CacheConfig:
     """`cfg` with every exported ATOM_* variable applied; unknown ATOM_*
     variables are an error (a typo would otherwise be silently ignored)."""

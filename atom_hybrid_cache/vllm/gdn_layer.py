@@ -14,14 +14,13 @@ checkpoints instead.
 
 from __future__ import annotations
 
-import os
 
 import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.platforms import current_platform
 from vllm.utils.torch_utils import _encode_layer_name
 
-from ..config import CacheConfig, apply_env, engine_settings
+from ..config import engine_config
 from ..kernels.capability import interior_states_readable
 from .gdn_backend import AtomGDNBackend
 from .spec import AtomGDNSpec
@@ -29,8 +28,7 @@ from .spec import AtomGDNSpec
 
 def interior_checkpoints_available(vllm_config) -> bool:
     cache = vllm_config.cache_config
-    settings = engine_settings(os.environ, vllm_config.additional_config)
-    return (apply_env(CacheConfig(), settings).interior_checkpoints == "on"
+    return (engine_config(vllm_config.additional_config).interior_checkpoints == "on"
             and interior_states_readable(["gated_delta_net"])
             and current_platform.is_cpu()
             and vllm_config.speculative_config is None

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 from collections import deque
 from typing import Optional
 
@@ -39,7 +38,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import (ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, SERVER_STATS_LOG_INTERVAL,
-                      CacheConfig, apply_env, engine_settings)
+                      CacheConfig, engine_config)
 from .admission_gate import AdmissionGate
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
@@ -59,10 +58,11 @@ class AtomSchedulerMixin:
     def _atom_setup(self) -> None:
         self._atom = None
         self._atom_gate = None
-        # the exported ATOM_* variables, then this engine's --additional-config
+        # the exported ATOM_* variables, then this engine's --additional-config;
+        # a server reports its stats every SERVER_STATS_LOG_INTERVAL admissions
+        # unless told otherwise
         extra = self.vllm_config.additional_config
-        settings = engine_settings(os.environ, extra)
-        env_cfg = apply_env(CacheConfig(), settings)
+        env_cfg = engine_config(extra, CacheConfig(stats_log_interval=SERVER_STATS_LOG_INTERVAL))
         if isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY):
             logger.info("atom_hybrid_cache: settings from --additional-config: %s",
                         extra[ADDITIONAL_CONFIG_KEY])
@@ -86,16 +86,13 @@ class AtomSchedulerMixin:
         first = managers[state_groups[0]]
         if not self.cache_config.enable_prefix_caching or first.mamba_cache_mode != "align":
             return
-        interval = env_cfg.stats_log_interval
-        if "ATOM_STATS_LOG_INTERVAL" not in settings:
-            interval = SERVER_STATS_LOG_INTERVAL
         block_size = first.block_size
         num_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks
         max_seqs = self.scheduler_config.max_num_seqs
         planner = CheckpointPlanner(
             env_cfg.placement, block_size=block_size, hash_block_size=self.hash_block_size,
             kv_share_tokens=(num_blocks - 1) * block_size // max_seqs,
-            stats_log_interval=interval,
+            stats_log_interval=env_cfg.stats_log_interval,
             interior_readable=bool(getattr(first.kv_cache_spec, "interior_checkpoints", False)))
         for g in state_groups:
             managers[g].attach(planner)

@@ -78,6 +78,18 @@ def test_vllm_loader_calls_register(monkeypatch):
 
 # -- the scheduler class (registration.default_scheduler_class) -------------
 
+def _enable_with_patch(monkeypatch, patched: str):
+    """Enable and register the plugin as vLLM would; the patch of `patched`
+    must be listed against the vLLM version it was written for."""
+    pytest.importorskip("vllm")
+    from atom_hybrid_cache.vllm import registration
+
+    monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
+    plugin.register()
+    assert any(patched in what and version == "0.32.0" for what, version in registration.PATCHES)
+    return registration
+
+
 def _scheduler_config(**kwargs):
     from vllm.config.scheduler import SchedulerConfig
     return SchedulerConfig.default_factory(**kwargs)
@@ -88,17 +100,12 @@ def test_enabled_plugin_makes_our_scheduler_the_default(monkeypatch, caplog):
     --scheduler-cls builds AtomScheduler (AtomAsyncScheduler with async
     scheduling); without the patch vLLM answers its own Scheduler and the
     plugin's placement, eviction order and stats never run."""
-    pytest.importorskip("vllm")
+    registration = _enable_with_patch(monkeypatch, "get_scheduler_cls")
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from atom_hybrid_cache.vllm import registration
     from atom_hybrid_cache.vllm.scheduler import AtomAsyncScheduler, AtomScheduler
 
-    monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
-    plugin.register()
-    assert any("get_scheduler_cls" in what and version == "0.32.0"
-               for what, version in registration.PATCHES)
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         assert _scheduler_config(async_scheduling=False).get_scheduler_cls() is AtomScheduler
         assert _scheduler_config(async_scheduling=True).get_scheduler_cls() is AtomAsyncScheduler
@@ -159,13 +166,7 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
     than 400 tokens never); with the plugin the unit is gcd(64, block)
     (16 for 400, 64 for 448). Without the patch the
     first assertion fails with (400, 400)."""
-    pytest.importorskip("vllm")
-    from atom_hybrid_cache.vllm import registration
-
-    monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
-    plugin.register()
-    assert any("resolve_kv_cache_block_sizes" in what and version == "0.32.0"
-               for what, version in registration.PATCHES)
+    registration = _enable_with_patch(monkeypatch, "resolve_kv_cache_block_sizes")
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         assert _hash_unit(None, None) == (400, 16)
         assert _hash_unit(64, None) == (448, 64)
@@ -211,12 +212,15 @@ def test_additional_config_sets_the_engines_settings(monkeypatch, caplog):
     monkeypatch.setenv("ATOM_ADMISSION_ORDER", "arrival")
     plain = _plugin_scheduler({})
     assert plain._atom is not None and not plain._atom_hits_first and plain._atom_gate is None
+    assert plain._atom.stats_log_interval == 100       # a server's default, not the replay's 0
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         tuned = _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_ORDER": "hits-first",
                                                          "ATOM_ADMISSION_GATE": "on",
-                                                         "ATOM_STATE_CHECKPOINT_SPAN": [0.5, 0.875]}})
+                                                         "ATOM_STATE_CHECKPOINT_SPAN": [0.5, 0.875],
+                                                         "ATOM_STATS_LOG_INTERVAL": 7}})
     assert tuned._atom_hits_first and tuned._atom_gate is not None
     assert tuned._atom.placement.span_fractions == (0.5, 0.875)
+    assert tuned._atom.stats_log_interval == 7
     assert any(m.startswith("atom_hybrid_cache: settings from --additional-config: ")
                for m in caplog.messages)
     with pytest.raises(ConfigError, match=r"ATOM_ADMISSION_GATE='yes' must be one of off, on "
