@@ -540,7 +540,7 @@ def replay(llm, convs, rounds, after_round=None, with_margins: bool = False) -> 
     return out
 
 
-def replay_scheduler_only(llm, convs, rounds) -> Replay:
+def replay_scheduler_only(llm, convs, rounds, observer=None) -> Replay:
     """`replay` without the model: the same rounds go to the engine's own
     scheduler (in-process engine core), and each step is answered with one
     synthetic token for every request whose prefill completes there.
@@ -552,7 +552,10 @@ def replay_scheduler_only(llm, convs, rounds) -> Replay:
     ``tests/e2e/test_scheduler_only_replay.py``). No outputs or logprobs,
     so nothing is compared against caching off. The engine is started as
     for `replay` (its configs and managers are vLLM's own); a run then
-    takes about a second instead of minutes of CPU prefill."""
+    takes about a second instead of minutes of CPU prefill.
+
+    `observer` (see ``loss_trace.LossTracer``) is told each round, each
+    request sent and each first scheduling."""
     from synthetic_outputs import synthetic_model_output
     from vllm import SamplingParams
     from vllm.v1.request import Request
@@ -565,20 +568,26 @@ def replay_scheduler_only(llm, convs, rounds) -> Replay:
     params = SamplingParams(max_tokens=1, temperature=0.0)
     out = Replay([], [], [], [])
     uid = 0
-    for rnd in rounds:
+    for r, rnd in enumerate(rounds):
+        if observer is not None:
+            observer.round_started(r)
         ids = []
         for c, i in rnd:
             rid = str(uid)
             uid += 1
-            sched.add_request(Request(request_id=rid, prompt_token_ids=convs[c]["prompts"][i],
-                                      sampling_params=params.clone(), pooling_params=None,
-                                      arrival_time=float(uid),
-                                      block_hasher=core.request_block_hasher))
+            request = Request(request_id=rid, prompt_token_ids=convs[c]["prompts"][i],
+                              sampling_params=params.clone(), pooling_params=None,
+                              arrival_time=float(uid), block_hasher=core.request_block_hasher)
+            sched.add_request(request)
+            if observer is not None:
+                observer.request_sent(sched, request, c, i)
             ids.append(rid)
         first_hit: dict[str, int] = {}
         while sched.has_requests():
             step = sched.schedule()
             for new in step.scheduled_new_reqs:   # a preempted request counts its first hit
+                if observer is not None and new.req_id not in first_hit:
+                    observer.admitted(sched, new.req_id, new.num_computed_tokens)
                 first_hit.setdefault(new.req_id, new.num_computed_tokens)
             sched.update_from_output(step, synthetic_model_output(sched, step, SYNTHETIC_TOKEN))
         out.cached.extend(first_hit[rid] for rid in ids)
@@ -617,7 +626,7 @@ def zero_state_pages(llm) -> None:
 
 
 def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
-               geometry: str = "default", scheduler_only: bool = False,
+               geometry: str = "default", scheduler_only: bool = False, observer=None,
                **extra) -> dict[str, Any]:
     block_size = GEOMETRIES[geometry]["block_size"]
     kwargs = policy_kwargs(policy, block_size)
@@ -636,7 +645,7 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
                            f"the budgets assume {block_size}")
     try:
         if scheduler_only:
-            run = replay_scheduler_only(llm, convs, rounds)
+            run = replay_scheduler_only(llm, convs, rounds, observer)
         else:
             run = replay(llm, convs, rounds, with_margins=True,
                          after_round=zero_state_pages if policy == "plugin-zeroed-states"

@@ -104,3 +104,45 @@ def test_the_plan_workload_at_full_length(pressure_bench, plugin_env, vllm_cpu_e
     assert {p: cached(p) for p in FULL_LENGTH_CACHED} == FULL_LENGTH_CACHED
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_SPAN", "0.5,0.875")
     assert cached("plugin") == FULL_LENGTH_SPAN_CACHED
+
+
+# benchmarks/loss_trace.py on the elided workload, plugin at 0.83x: where the
+# 20,099 - 15,808 tokens go, read where vLLM looks each request up
+ELIDED_PLUGIN_SPLIT = {"oracle": 20_099, "cached": 15_808, "kv_cut": 3_843,
+                       "states_missing": 896, "requests_missing_states": 3}
+
+
+def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plugin_env,
+                                                            vllm_cpu_env, elided_workload):
+    import importlib.util
+    import sys
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_trace.py"
+    spec = importlib.util.spec_from_file_location("loss_trace", path)
+    LT = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("loss_trace", LT)
+    spec.loader.exec_module(LT)
+    from vllm.v1.core.block_pool import BlockPool
+    untraced_evict = BlockPool._maybe_evict_cached_block
+
+    E = pressure_bench
+    convs, w = elided_workload
+    nb = E.budget_blocks(POOL_MULTIPLE, w.working_set, w.single_request)
+    tracer = LT.LossTracer(w.oracle)
+    tracer.install()
+    try:
+        run = E.run_policy("plugin", convs, w.rounds, nb, w.max_model_len, scheduler_only=True,
+                           observer=tracer)
+    finally:
+        tracer.uninstall()
+    assert BlockPool._maybe_evict_cached_block is untraced_evict
+    # the replay's own count, to the token, and one admission per request
+    assert sum(run["cached"]) == ELIDED_CACHED["plugin"]
+    assert [a.hit for a in tracer.admissions] == run["cached"]
+    split = LT.loss_split(tracer.admissions, page=E.BLOCK_SIZE)
+    assert split == ELIDED_PLUGIN_SPLIT
+    # the worst: a conversation's fifth turn finds 384 tokens of KV and no state
+    a = LT.worst(tracer.admissions, 1, page=E.BLOCK_SIZE)[0]
+    assert (a.request, a.conversation, a.turn, a.kv_prefix, a.hit, a.states) == (
+        20, 0, 5, 384, 0, ())
+    assert (len(tracer.evictions), sum(e.state for e in tracer.evictions)) == (178, 114)
