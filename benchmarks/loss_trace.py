@@ -207,40 +207,23 @@ def state_groups(sched) -> list[int]:
 
 
 def kv_prefix(sched, request) -> int:
-    """Tokens the attention groups alone could serve (the shortest group)."""
-    pool = sched.kv_cache_manager.block_pool
-    hashes = request.block_hashes
-    unit = sched.hash_block_size
-    limit = request.num_tokens - 1
-    best = None
-    for g, size in kv_cache_groups(sched):
-        n = 0
-        while n + size <= limit:
-            i = (n + size) // unit - 1
-            if i >= len(hashes) or pool.get_cached_block(hashes[i], [g]) is None:
-                break
-            n += size
-        best = n if best is None else min(best, n)
-    return best or 0
+    """Tokens the attention groups alone could serve (the shortest group),
+    by the plugin's own rule, for any policy's scheduler."""
+    from atom_hybrid_cache.vllm.scheduler import kv_prefix_tokens
+    return kv_prefix_tokens(sched.kv_cache_manager.block_pool, kv_cache_groups(sched), request,
+                            sched.hash_block_size)
 
 
 def state_positions(sched, request) -> list[int]:
     """Hash-unit boundaries of the prompt where every state group caches a
     state of this prefix."""
+    from atom_hybrid_cache.vllm.state_search import StateSearch
     groups = state_groups(sched)
     if not groups:
         return []
-    pool = sched.kv_cache_manager.block_pool
-    unit = sched.hash_block_size
-    out = []
-    for i, h in enumerate(request.block_hashes):
-        pos = (i + 1) * unit
-        if pos >= request.num_prompt_tokens:
-            break
-        hit = pool.get_cached_block(h, groups)
-        if hit is not None and all(b.block_hash_num_tokens == pos for b in hit):
-            out.append(pos)
-    return out
+    search = StateSearch(sched.kv_cache_manager.block_pool, groups, sched.hash_block_size,
+                         page=sched.hash_block_size)
+    return search.positions(request.block_hashes, request.num_prompt_tokens)
 
 
 def kv_page_in_use(sched, request, position: int) -> bool:

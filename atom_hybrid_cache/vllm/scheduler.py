@@ -42,13 +42,28 @@ from ..config import (ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, SERVER_ST
 from .admission_gate import AdmissionGate
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
-from .state_manager import AtomStateManager, prefix_index_key_suffix
+from .state_manager import AtomStateManager
+from .state_search import StateSearch
 
 logger = logging.getLogger("atom_hybrid_cache")
 
-# How far below each retain fraction (in state pages) a state is looked for
-# on release.
-STATE_SEARCH_PAGES = 64
+
+def kv_prefix_tokens(pool, kv_groups, request, hash_unit: int, hit: int = 0) -> int:
+    """How far the KV groups `kv_groups` ([(group id, block size)]) alone
+    hold `request`'s prompt in `pool`, in whole blocks of each, the shortest
+    group's answer; the walk starts at `hit`, which every group serves."""
+    hashes = request.block_hashes
+    limit = request.num_tokens - 1
+    best = None
+    for g, step in kv_groups:
+        n = hit // step * step
+        while n + step <= limit:
+            i = (n + step) // hash_unit - 1
+            if i >= len(hashes) or pool.get_cached_block(hashes[i], [g]) is None:
+                break
+            n += step
+        best = n if best is None else min(best, n)
+    return best or 0
 
 
 class AtomSchedulerMixin:
@@ -110,6 +125,8 @@ class AtomSchedulerMixin:
         self._atom_anchors: dict = {}
         self._atom_anchor_pending: set = set()
         self._atom_state_groups = state_groups
+        self._atom_states = StateSearch(self.kv_cache_manager.block_pool, state_groups,
+                                        self.hash_block_size, block_size)
         self._atom_kv_groups = [g for g, m in enumerate(managers)
                                 if not isinstance(m.kv_cache_spec, MambaSpec)]
         logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
@@ -131,22 +148,10 @@ class AtomSchedulerMixin:
         """How far the KV groups alone could serve this prompt: the
         `compressed` length of the stats and the demand rung. Every group
         serves the `hit` already, so the walk starts there."""
-        pool = self.kv_cache_manager.block_pool
         managers = self.kv_cache_manager.coordinator.single_type_managers
-        hashes = request.block_hashes
-        H = self.hash_block_size
-        limit = request.num_tokens - 1
-        best = None
-        for g in self._atom_kv_groups:
-            step = managers[g].block_size
-            n = hit // step * step
-            while n + step <= limit:
-                i = (n + step) // H - 1
-                if i >= len(hashes) or pool.get_cached_block(hashes[i], [g]) is None:
-                    break
-                n += step
-            best = n if best is None else min(best, n)
-        return best or 0
+        return kv_prefix_tokens(self.kv_cache_manager.block_pool,
+                                [(g, managers[g].block_size) for g in self._atom_kv_groups],
+                                request, self.hash_block_size, hit)
 
     def _mamba_block_aligned_split(self, request, num_new_tokens: int,
                                    num_new_local_computed_tokens: int = 0,
@@ -360,7 +365,7 @@ class AtomSchedulerMixin:
         wanted += [int(end * f) for f in self._atom.placement.retain_fractions]
         pool = self.kv_cache_manager.block_pool
         out = []
-        for pos, blocks in self._highest_states_at_or_below(request, wanted):
+        for pos, blocks in self._atom_states.highest_at_or_below(request.block_hashes, wanted):
             new = [b for b in blocks if b.block_id not in held]
             pool.touch(new)
             for b in new:
@@ -368,63 +373,10 @@ class AtomSchedulerMixin:
                 out.append(FreedState(b, pos, True))
         return out
 
-    def _highest_states_at_or_below(self, request, tops, max_pages: int = STATE_SEARCH_PAGES):
-        """[(position, pages of every state group)]: for each of `tops`, the
-        highest position <= it where all our state groups index this
-        request's prefix; each position once, highest first.
-
-        States sit on hash-unit boundaries, not only on page boundaries:
-        vLLM keeps a prompt's end state at its last hash boundary, so with
-        pages larger than the unit (448-token pages, 64-token unit) most
-        anchors are between pages. Each walk looks at every unit of the
-        page below its top, then at page boundaries only (where prefill
-        chunks end, so where most other states are), at most `max_pages`
-        pages down. (Every unit of 64 pages took 2.6x the release's time
-        for the same hits: 40 traces, c4 / 40 GiB.)"""
-        H = self.hash_block_size
-        page = self._atom.block_size
-        indexed = self._state_indexed(request)
-        found = {}
-        for top in sorted({t // H * H for t in tops if t >= H}, reverse=True):
-            pos = top
-            lowest = top - max_pages * page
-            while pos > 0 and pos >= lowest:
-                if pos in found:
-                    break
-                if indexed(pos):
-                    hit = self._states_at(request, pos)
-                    if hit is not None:
-                        found[pos] = hit
-                        break
-                pos = pos - H if pos > top - page else (pos - 1) // page * page
-        return sorted(found.items(), reverse=True)
-
-    def _state_indexed(self, request):
-        """A cheap filter for `_states_at`: pos -> False where the first
-        state group certainly indexes no state after `pos` tokens of this
-        prefix. One dict membership (as in
-        AtomStateManager.find_longest_cache_hit) instead of vLLM's lookup
-        at every unit of a walk."""
-        pool = self.kv_cache_manager.block_pool
-        hashes = request.block_hashes
-        H = self.hash_block_size
-        suffix = prefix_index_key_suffix(pool, self._atom_state_groups[0])
-        if suffix is None:
-            return lambda pos: pos // H <= len(hashes)
-        index = pool.cached_block_hash_to_block._cache
-        return lambda pos: pos // H <= len(hashes) and hashes[pos // H - 1] + suffix in index
-
     def _states_at(self, request, pos: int):
         """Every state group's page of the state after `pos` tokens of this
-        request's prefix (`pos` a multiple of the hash unit), or None."""
-        i = pos // self.hash_block_size - 1
-        if i >= len(request.block_hashes):
-            return None
-        hit = self.kv_cache_manager.block_pool.get_cached_block(request.block_hashes[i],
-                                                                self._atom_state_groups)
-        if hit is not None and all(b.block_hash_num_tokens == pos for b in hit):
-            return hit
-        return None
+        request's prefix, or None (see `StateSearch.states_at`)."""
+        return self._atom_states.states_at(request.block_hashes, pos)
 
 
 class AtomScheduler(AtomSchedulerMixin, Scheduler):

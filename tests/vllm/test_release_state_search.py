@@ -1,4 +1,4 @@
-"""The release's search for kept states (`AtomScheduler._highest_states_at_or_below`)
+"""The release's search for kept states (`StateSearch.highest_at_or_below`)
 against a plain statement of what it looks at, on random pools (real vLLM
 BlockPool and prefix index; no scheduler, no model).
 
@@ -10,7 +10,6 @@ exactly that length. Each answer once, highest first."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import pytest
 
@@ -19,20 +18,10 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
 
-from atom_hybrid_cache.vllm.scheduler import AtomSchedulerMixin  # noqa: E402
+from atom_hybrid_cache.vllm.state_search import StateSearch  # noqa: E402
 
 GROUPS = [1, 2, 3]
 H = 64
-
-
-class ReleaseSearch(AtomSchedulerMixin):
-    """The mixin's search methods over a bare pool."""
-
-    def __init__(self, pool: BlockPool, page: int) -> None:
-        self.hash_block_size = H
-        self._atom = SimpleNamespace(block_size=page)
-        self._atom_state_groups = GROUPS
-        self.kv_cache_manager = SimpleNamespace(block_pool=pool)
 
 
 def pool_with_states(rng, hashes, num_states: int) -> tuple[BlockPool, set]:
@@ -78,11 +67,13 @@ def test_the_search_finds_what_it_says_on_random_pools(page):
         end = H * len(hashes) + rng.randint(0, H - 1)
         tops = [rng.randint(0, end) for _ in range(rng.randint(0, 6))]
         max_pages = rng.choice([0, 1, 3, 64])
-        got = ReleaseSearch(pool, page)._highest_states_at_or_below(
-            SimpleNamespace(block_hashes=hashes), tops, max_pages)
+        search = StateSearch(pool, GROUPS, H, page)
+        got = search.highest_at_or_below(hashes, tops, max_pages)
         assert [pos for pos, _ in got] == stated(tops, full, page, max_pages), case
         for pos, blocks in got:
             assert sorted(b.block_hash_num_tokens for b in blocks) == [pos] * len(GROUPS)
+        # the diagnostics' whole-prefix walk finds exactly the full states
+        assert search.positions(hashes, end) == sorted(p for p in full if p < end), case
 
 
 def test_an_anchor_between_pages_is_found_below_its_top():
@@ -95,9 +86,8 @@ def test_an_anchor_between_pages_is_found_below_its_top():
             block._block_hash_num_tokens = pos
             pool.cached_block_hash_to_block.insert(
                 make_block_hash_with_group_id(hashes[pos // H - 1], g), block)
-    search = ReleaseSearch(pool, 448)
-    request = SimpleNamespace(block_hashes=hashes)
-    assert [p for p, _ in search._highest_states_at_or_below(request, [8400])] == [8384]
+    search = StateSearch(pool, GROUPS, H, 448)
+    assert [p for p, _ in search.highest_at_or_below(hashes, [8400])] == [8384]
     # a top more than a page above the anchor sees page boundaries only
-    assert [p for p, _ in search._highest_states_at_or_below(request, [8900])] == [8064]
-    assert [p for p, _ in search._highest_states_at_or_below(request, [8400, 8900])] == [8384, 8064]
+    assert [p for p, _ in search.highest_at_or_below(hashes, [8900])] == [8064]
+    assert [p for p, _ in search.highest_at_or_below(hashes, [8400, 8900])] == [8384, 8064]
