@@ -18,7 +18,7 @@ attention-only model). It overrides three scheduler steps and nothing else:
 - `schedule`: counts each admission for the stats lines; with
   `ATOM_ADMISSION_ORDER=hits-first` it first puts the waiting requests that
   can resume on a cached prefix ahead of those that cannot (see
-  `_order_waiting`); with `ATOM_ADMISSION_GATE=on` it holds those whose
+  `admission_order.order_waiting`); with `ATOM_ADMISSION_GATE=on` it holds those whose
   prefill would evict the prefixes of the others (see `AdmissionGate`).
 
 Without `AtomStateManager` groups (plugin not enabled, a model without GDN
@@ -28,7 +28,6 @@ admission gate where `ATOM_ADMISSION_GATE=on` asks for it.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from collections import deque
 from typing import Optional
@@ -40,6 +39,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import (ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, SERVER_STATS_LOG_INTERVAL,
                       CacheConfig, engine_config)
 from .admission_gate import AdmissionGate
+from .admission_order import order_waiting
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
 from .state_manager import AtomStateManager
@@ -179,59 +179,11 @@ class AtomSchedulerMixin:
             self._atom_anchor_pending.add(rid)
         return end - start
 
-    def _order_waiting(self, hits: Optional[dict] = None) -> None:
-        """Waiting requests that resume on a cached prefix go ahead of those
-        that do not, among the first max_num_seqs waiting (FCFS queues only).
-
-        Why: vLLM admits in arrival order, and a cold prefill takes the
-        step's token budget and allocates its pages before the requests
-        behind it are looked up; those pages come from the LRU head, where
-        the prefixes of the waiting requests sit. Admitted first, a request
-        holds its prefix. A request passed over max_num_seqs times keeps its
-        place from then on, so none waits without bound.
-
-        `hits`, if given, keeps each lookup ({request id: (pages, tokens)})
-        for the admission gate of the same step: nothing is allocated in
-        between, so its lookups would find the same."""
-        waiting = self.waiting
-        if not isinstance(waiting, deque) or len(waiting) < 2:
-            return
-        limit = self.scheduler_config.max_num_seqs
-        if len(self.running) >= limit:
-            return
-        window = list(itertools.islice(waiting, limit))
-        coordinator = self.kv_cache_manager.coordinator
-        passed = self._atom_passed_over
-
-        def rank(request) -> tuple:
-            if passed.get(request.request_id, 0) >= limit:
-                return (0, 0)
-            if (request.num_computed_tokens
-                    or not self.kv_cache_manager.prefix_cache_lookup_enabled(request)):
-                return (1, 0)
-            blocks, hit = coordinator.find_longest_cache_hit(request.block_hashes,
-                                                             request.num_tokens - 1)[:2]
-            if hits is not None:
-                hits[request.request_id] = (blocks, hit)
-            return (1, -hit) if hit else (2, 0)
-
-        ranks = [rank(r) for r in window]
-        order = sorted(range(len(window)), key=lambda i: ranks[i])
-        if order == list(range(len(window))):
-            return
-        for pos, i in enumerate(order):
-            if pos > i:  # moved back: passed over this step
-                rid = window[i].request_id
-                passed[rid] = passed.get(rid, 0) + 1
-        rest = list(itertools.islice(waiting, len(window), None))
-        waiting.clear()
-        waiting.extend([window[i] for i in order] + rest)
-
     def schedule(self, *args, **kwargs):
         gate = self._atom_gate
         hits = {} if gate is not None else None
         if self._atom is not None and self._atom_hits_first:
-            self._order_waiting(hits)
+            order_waiting(self, self._atom_passed_over, hits)
         gated = gate.open(self, hits) if gate is not None else None
         out = None
         try:

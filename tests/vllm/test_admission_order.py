@@ -1,9 +1,9 @@
-"""AtomScheduler's admission order under ATOM_ADMISSION_ORDER=hits-first:
+"""The admission order under ATOM_ADMISSION_ORDER=hits-first (`order_waiting`):
 among the first max_num_seqs waiting requests, those that resume on a cached
 prefix go first (largest hit first), and a request passed over max_num_seqs
 times keeps its place.
 
-The method runs on a stand-in for the scheduler: a waiting deque, the running
+The function runs on a stand-in for the scheduler: a waiting deque, the running
 list, and a prefix search that returns fixed hits. The real Scheduler runs it
 in tests/vllm/test_scheduler_bench.py and the e2e replay tests."""
 
@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from atom_hybrid_cache.vllm.scheduler import AtomSchedulerMixin  # noqa: E402
+from atom_hybrid_cache.vllm.admission_order import order_waiting  # noqa: E402
 
 
 def scheduler(waiting, hits, running=0, max_num_seqs=4):
@@ -34,7 +34,7 @@ def scheduler(waiting, hits, running=0, max_num_seqs=4):
 
 
 def order(s):
-    AtomSchedulerMixin._order_waiting(s)
+    order_waiting(s, s._atom_passed_over)
     return [r.request_id for r in s.waiting]
 
 
