@@ -9,7 +9,8 @@ but not enabled plugin must leave vLLM exactly as it is.
 What it does: parse and validate every `ATOM_*` setting, so a bad value
 stops start-up with a message naming the variable; register our GDN layer,
 state managers, stats connector and default scheduler class
-(`registration.register_all`, which lists them and its one monkeypatch);
+(`registration.register_all`, which lists them and its two monkeypatches,
+and warns on a vLLM release other than the one it was written for);
 log the effective settings once.
 """
 

@@ -28,6 +28,10 @@ from typing import Optional
 
 logger = logging.getLogger("atom_hybrid_cache")
 
+# The vLLM release the plugin is written and tested against (major.minor):
+# its scheduler and managers subclass vLLM's and read some of their internals.
+WRITTEN_FOR_VLLM = "0.32"
+
 # Every monkeypatch applied to vLLM: (what, the vLLM version it was written against).
 PATCHES: tuple = (
     ("vllm.config.scheduler.SchedulerConfig.get_scheduler_cls: AtomScheduler "
@@ -36,6 +40,12 @@ PATCHES: tuple = (
      "binding): prefix hashes every gcd(64, block size) tokens on models with our state "
      "groups where --prefix-match-unit is unset", "0.32.0"),
 )
+
+
+def written_for(vllm_version: str) -> bool:
+    """Whether `vllm_version` ("0.32.0", "0.32.1+cpu", ...) is the release
+    line this plugin was written for."""
+    return vllm_version.split("+")[0].split(".")[:2] == WRITTEN_FOR_VLLM.split(".")
 
 _done = {"manager": False, "layer": False, "connector": False, "scheduler": False,
          "unit": False}
@@ -216,7 +226,27 @@ def default_prefix_match_unit() -> None:
     _done["unit"] = True
 
 
+def check_vllm_version(vllm_version: Optional[str] = None) -> bool:
+    """On a vLLM other than the one this plugin was written for, warn and
+    turn the state managers' steady-step shortcuts off (they answer some of
+    vLLM's per-step calls themselves, from vLLM 0.32's bookkeeping; without
+    them vLLM's own methods run). Returns whether the version matched."""
+    if vllm_version is None:
+        import vllm
+        vllm_version = vllm.__version__
+    if written_for(vllm_version):
+        return True
+    from .state_manager import AtomStateManager
+    AtomStateManager.steady_shortcuts = False
+    logger.warning("atom_hybrid_cache was written for vLLM %s.x and this is vLLM %s: the "
+                   "scheduler and state managers subclass vLLM's and may not fit it; the "
+                   "steady-step shortcuts are off. Pin vllm==%s.* for the tested setup",
+                   WRITTEN_FOR_VLLM, vllm_version, WRITTEN_FOR_VLLM)
+    return False
+
+
 def register_all() -> None:
+    check_vllm_version()
     register_cache_manager()
     register_gdn_layer()
     register_stats_connector()

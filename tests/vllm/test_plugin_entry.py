@@ -226,3 +226,26 @@ def test_additional_config_sets_the_engines_settings(monkeypatch, caplog):
     with pytest.raises(ConfigError, match=r"ATOM_ADMISSION_GATE='yes' must be one of off, on "
                                           r"\(from --additional-config atom_hybrid_cache\)"):
         _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_GATE": "yes"}})
+
+
+def test_the_vllm_release_it_was_written_for():
+    from atom_hybrid_cache.vllm import registration
+    assert registration.WRITTEN_FOR_VLLM == "0.32"
+    assert all(map(registration.written_for, ["0.32.0", "0.32.0+cpu", "0.32.3"]))
+    assert not any(map(registration.written_for, ["0.33.0", "0.3.2", "1.32.0", "0.31.9+cpu"]))
+
+
+def test_another_vllm_release_is_warned_about_and_runs_vllms_own_steps(monkeypatch, caplog):
+    pytest.importorskip("vllm")
+    from atom_hybrid_cache.vllm import registration, state_manager
+    monkeypatch.setattr(state_manager.AtomStateManager, "steady_shortcuts", True)
+    with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
+        assert registration.check_vllm_version()          # the installed vLLM 0.32
+        assert registration.check_vllm_version("0.32.0+cpu")
+        assert state_manager.AtomStateManager.steady_shortcuts
+        assert not registration.check_vllm_version("0.33.1")
+    assert not state_manager.AtomStateManager.steady_shortcuts
+    assert [r.getMessage() for r in caplog.records] == [
+        "atom_hybrid_cache was written for vLLM 0.32.x and this is vLLM 0.33.1: the scheduler "
+        "and state managers subclass vLLM's and may not fit it; the steady-step shortcuts are "
+        "off. Pin vllm==0.32.* for the tested setup"]
