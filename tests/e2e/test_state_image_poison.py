@@ -33,8 +33,8 @@ POOL_MULTIPLE = 0.83
 def _unowned_pages(llm) -> list[int]:
     """The null block and every free page that indexes nothing."""
     pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-    return [pool.null_block.block_id] + [b.block_id for b in pool.free_block_queue.get_all_free_blocks()
-                                         if b.block_hash is None]
+    free = pool.free_block_queue.get_all_free_blocks()
+    return [pool.null_block.block_id] + [b.block_id for b in free if b.block_hash is None]
 
 
 def _poison(llm) -> None:
@@ -49,7 +49,7 @@ def _poison(llm) -> None:
                 t[pages] = float("nan")
 
 
-def _serve(E, llm, convs, rounds, poison: bool) -> list:
+def _serve(llm, convs, rounds, poison: bool) -> list:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -85,7 +85,7 @@ def test_poisoned_unowned_pages_never_reach_an_output(pressure_bench, elided_wor
             assert llm.llm_engine.engine_core.engine_core.scheduler._atom is not None
             if poison:
                 _poison(llm)   # before the first round too
-            return _serve(E, llm, convs, w.rounds, poison)
+            return _serve(llm, convs, w.rounds, poison)
         finally:
             E.shutdown(llm)
 
