@@ -131,7 +131,10 @@ class LossTracer:
 
     def admitted(self, sched, request_id: str, hit: int) -> None:
         request, conversation, turn = self._sent[request_id]
-        kv, states = self._looked_up.pop(request_id)
+        looked_up = self._looked_up.pop(request_id, None)
+        if looked_up is None:   # admitted without a local lookup (a KV connector's path)
+            looked_up = (kv_prefix(sched, request), tuple(state_positions(sched, request)))
+        kv, states = looked_up
         n = int(request_id)
         self.admissions.append(Admission(n, self._round, conversation, turn,
                                          request.num_prompt_tokens, self.oracle[n], kv, hit,
@@ -167,7 +170,7 @@ class LossTracer:
             if key is not None:
                 owner = tracer._owner.get(get_block_hash(key))
                 if owner is not None:
-                    tracer._evicted(pool, owner, get_group_id(key))
+                    tracer._evicted(owner, get_group_id(key))
             return original(pool, block)
 
         cls._maybe_evict_cached_block = traced
@@ -178,7 +181,7 @@ class LossTracer:
             self._restore()
             self._restore = None
 
-    def _evicted(self, pool, owner: tuple, group: int) -> None:
+    def _evicted(self, owner: tuple, group: int) -> None:
         sched = self._sched
         if sched is None:
             return
