@@ -114,7 +114,7 @@ class LossTracer:
         self._latest: dict = {}         # conversation -> its last request sent
         self._looked_up: dict = {}      # request id -> (KV prefix, states) at its lookup
         self._round = 0
-        self._sched = None
+        self._view = None               # PoolView of the engine's scheduler
         self._restore = None
 
     # -- replay_scheduler_only's observer ------------------------------
@@ -122,7 +122,7 @@ class LossTracer:
         self._round = index
 
     def request_sent(self, sched, request, conversation: int, turn: int) -> None:
-        if self._sched is None:
+        if self._view is None:
             self._watch_lookups(sched)
         for k, h in enumerate(request.block_hashes):
             self._owner.setdefault(h, (conversation, k))
@@ -133,7 +133,7 @@ class LossTracer:
         request, conversation, turn = self._sent[request_id]
         looked_up = self._looked_up.pop(request_id, None)
         if looked_up is None:   # admitted without a local lookup (a KV connector's path)
-            looked_up = (kv_prefix(sched, request), tuple(state_positions(sched, request)))
+            looked_up = (self._view.kv_prefix(request), self._view.state_positions(request))
         kv, states = looked_up
         n = int(request_id)
         self.admissions.append(Admission(n, self._round, conversation, turn,
@@ -146,13 +146,13 @@ class LossTracer:
         requests admitted before it in the step, before its own (which
         index the pages it is about to compute). The last lookup before its
         admission is the one kept."""
-        self._sched = sched
+        self._view = view = PoolView(sched)
         kvm = sched.kv_cache_manager
         lookup = kvm.get_computed_blocks
 
         def watched(request):
-            self._looked_up[request.request_id] = (
-                kv_prefix(sched, request), tuple(state_positions(sched, request)))
+            self._looked_up[request.request_id] = (view.kv_prefix(request),
+                                                   view.state_positions(request))
             return lookup(request)
 
         kvm.get_computed_blocks = watched
@@ -182,66 +182,61 @@ class LossTracer:
             self._restore = None
 
     def _evicted(self, owner: tuple, group: int) -> None:
-        sched = self._sched
-        if sched is None:
+        view = self._view
+        if view is None:
             return
         conversation, index = owner
-        position = (index + 1) * sched.hash_block_size
-        state = group in state_groups(sched)
+        position = (index + 1) * view.hash_unit
+        state = group in view.state_groups
         # the conversation's last prompt holds this prefix unless the
         # client rewrote it (then the KV check reads another prefix: rare)
         request = self._latest[conversation]
-        in_use = state and kv_page_in_use(sched, request, position)
+        in_use = state and view.kv_page_in_use(request, position)
         self.evictions.append(Eviction(self._round, conversation, position, state, in_use))
 
 
-# -- reading vLLM's pool (the tracer's own; no policy decides on these) -----
-def kv_cache_groups(sched):
-    from vllm.v1.kv_cache_interface import MambaSpec
-    managers = sched.kv_cache_manager.coordinator.single_type_managers
-    return [(g, m.block_size) for g, m in enumerate(managers)
-            if not isinstance(m.kv_cache_spec, MambaSpec)]
+# -- reading vLLM's pool (no policy decides on these) -------------------------
+class PoolView:
+    """What the tracer asks of one scheduler's pool, with its groups found
+    once: the KV groups ([(group id, block size)]) and the state groups."""
 
+    def __init__(self, sched):
+        from vllm.v1.kv_cache_interface import MambaSpec
 
-def state_groups(sched) -> list[int]:
-    from vllm.v1.kv_cache_interface import MambaSpec
-    managers = sched.kv_cache_manager.coordinator.single_type_managers
-    return [g for g, m in enumerate(managers) if isinstance(m.kv_cache_spec, MambaSpec)]
+        from atom_hybrid_cache.vllm.state_search import StateSearch
+        managers = sched.kv_cache_manager.coordinator.single_type_managers
+        self.pool = sched.kv_cache_manager.block_pool
+        self.hash_unit = sched.hash_block_size
+        self.kv_groups = [(g, m.block_size) for g, m in enumerate(managers)
+                          if not isinstance(m.kv_cache_spec, MambaSpec)]
+        self.state_groups = {g for g, m in enumerate(managers)
+                             if isinstance(m.kv_cache_spec, MambaSpec)}
+        self.states = (StateSearch(self.pool, sorted(self.state_groups), self.hash_unit,
+                                   page=self.hash_unit) if self.state_groups else None)
 
+    def kv_prefix(self, request) -> int:
+        """Tokens the attention groups alone could serve (the shortest
+        group), by the plugin's own rule, for any policy's scheduler."""
+        from atom_hybrid_cache.vllm.scheduler import kv_prefix_tokens
+        return kv_prefix_tokens(self.pool, self.kv_groups, request, self.hash_unit)
 
-def kv_prefix(sched, request) -> int:
-    """Tokens the attention groups alone could serve (the shortest group),
-    by the plugin's own rule, for any policy's scheduler."""
-    from atom_hybrid_cache.vllm.scheduler import kv_prefix_tokens
-    return kv_prefix_tokens(sched.kv_cache_manager.block_pool, kv_cache_groups(sched), request,
-                            sched.hash_block_size)
+    def state_positions(self, request) -> tuple:
+        """Hash-unit boundaries of the prompt where every state group
+        caches a state of this prefix."""
+        if self.states is None:
+            return ()
+        return tuple(self.states.positions(request.block_hashes, request.num_prompt_tokens))
 
-
-def state_positions(sched, request) -> list[int]:
-    """Hash-unit boundaries of the prompt where every state group caches a
-    state of this prefix."""
-    from atom_hybrid_cache.vllm.state_search import StateSearch
-    groups = state_groups(sched)
-    if not groups:
-        return []
-    search = StateSearch(sched.kv_cache_manager.block_pool, groups, sched.hash_block_size,
-                         page=sched.hash_block_size)
-    return search.positions(request.block_hashes, request.num_prompt_tokens)
-
-
-def kv_page_in_use(sched, request, position: int) -> bool:
-    """Whether the KV page holding the tokens just below `position` is
-    cached and referenced."""
-    pool = sched.kv_cache_manager.block_pool
-    unit = sched.hash_block_size
-    for g, size in kv_cache_groups(sched):
-        end = -(-position // size) * size
-        i = end // unit - 1
-        if 0 <= i < len(request.block_hashes):
-            hit = pool.get_cached_block(request.block_hashes[i], [g])
-            if hit and hit[0].ref_cnt > 0:
-                return True
-    return False
+    def kv_page_in_use(self, request, position: int) -> bool:
+        """Whether the KV page holding the tokens just below `position` is
+        cached and referenced."""
+        for g, size in self.kv_groups:
+            i = -(-position // size) * size // self.hash_unit - 1
+            if 0 <= i < len(request.block_hashes):
+                hit = self.pool.get_cached_block(request.block_hashes[i], [g])
+                if hit and hit[0].ref_cnt > 0:
+                    return True
+        return False
 
 
 def report(tracer: LossTracer, top: int, rounds_back: int, page: int) -> str:

@@ -14,7 +14,6 @@ checkpoints instead.
 
 from __future__ import annotations
 
-
 import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.platforms import current_platform

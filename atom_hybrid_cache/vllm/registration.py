@@ -47,6 +47,7 @@ def written_for(vllm_version: str) -> bool:
     line this plugin was written for."""
     return vllm_version.split("+")[0].split(".")[:2] == WRITTEN_FOR_VLLM.split(".")
 
+
 _done = {"manager": False, "layer": False, "connector": False, "scheduler": False,
          "unit": False}
 
@@ -55,7 +56,7 @@ def register_cache_manager() -> None:
     """Our state groups get AtomStateManager. Idempotent."""
     if _done["manager"]:
         return
-    from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
+    from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     from .spec import AtomGDNInteriorSpec, AtomGDNSpec

@@ -127,7 +127,8 @@ class AtomSchedulerMixin:
         self._atom_state_groups = state_groups
         self._atom_states = StateSearch(self.kv_cache_manager.block_pool, state_groups,
                                         self.hash_block_size, block_size)
-        self._atom_kv_groups = [g for g, m in enumerate(managers)
+        # [(group id, block size)] of the attention groups
+        self._atom_kv_groups = [(g, m.block_size) for g, m in enumerate(managers)
                                 if not isinstance(m.kv_cache_spec, MambaSpec)]
         logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
                     "tokens, hash unit %d, pool %d blocks; checkpoints %s; admission order %s; "
@@ -148,9 +149,7 @@ class AtomSchedulerMixin:
         """How far the KV groups alone could serve this prompt: the
         `compressed` length of the stats and the demand rung. Every group
         serves the `hit` already, so the walk starts there."""
-        managers = self.kv_cache_manager.coordinator.single_type_managers
-        return kv_prefix_tokens(self.kv_cache_manager.block_pool,
-                                [(g, managers[g].block_size) for g in self._atom_kv_groups],
+        return kv_prefix_tokens(self.kv_cache_manager.block_pool, self._atom_kv_groups,
                                 request, self.hash_block_size, hit)
 
     def _mamba_block_aligned_split(self, request, num_new_tokens: int,
