@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
-import os
 import sys
 import time
 from typing import Optional
 
-from ..config import DEFAULT_HEADROOM_PER_SEQ, CacheConfig, PlacementConfig, apply_env
+from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, engine_config
 from ..core.manager import HybridCacheManager, Request
 from .align_emulation import AlignEmulationManager
 from .policies import PolicySpec, build_policies, parse_policy_names
@@ -151,7 +150,7 @@ def load_workload(args) -> tuple[Workload, object]:
 def placement_from_args(args) -> PlacementConfig:
     """The placement the plugin would use: the exported ATOM_* placement
     settings (ATOM_STATE_CHECKPOINT_SPAN, ...), then the command's flags."""
-    p = apply_env(CacheConfig(), os.environ).placement
+    p = engine_config().placement
     if getattr(args, "interval", None) is not None:
         p = dataclasses.replace(p, interval_tokens=args.interval)
     return p

@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Optional
 
-from ..config import ENV_VARS, CacheConfig, ConfigError, PlacementConfig, apply_env
+from ..config import ENV_VARS, ConfigError, PlacementConfig, engine_config
 
 PLUGIN_NAME = "atom_hybrid_cache"
 
@@ -42,7 +42,7 @@ def settings_from_env(environ=None) -> PlacementConfig:
     Raises ConfigError naming the offending variable."""
     # The pool sizes come from vLLM later; a nominal config carries the
     # variables through the same parser and validator the core uses.
-    return apply_env(CacheConfig(), environ).placement
+    return engine_config(environ=environ).placement
 
 
 def _ensure_log_handler() -> None:
