@@ -36,6 +36,18 @@ PREFIX_MATCH_UNIT_TOKENS = 64
 # ATOM_STATS_LOG_INTERVAL is unset (the replay planner reports at its end).
 SERVER_STATS_LOG_INTERVAL = 100
 
+# The plugin's cold ladder in a vLLM server when ATOM_STATE_CHECKPOINT_COLD
+# is unset (`PlacementConfig.cold_fractions`). Agentic clients rewrite a
+# conversation below its last prompt end now and then (a compaction, a
+# retry), and 67 of the 94 such rewrites in the shared cc traces land inside
+# the conversation's first prompt, mostly keeping its system prompt and
+# tools: only a state inside that prompt saves them. In vLLM's shared page
+# pool these states gained on every workload set measured, with room and
+# under pressure; in the core's own state slots (the replay planner) they
+# cost other checkpoints their slots, so the core's default stays off
+# (BENCHMARKS.md, "The cold ladder").
+SERVER_COLD_FRACTIONS = (0.5, 0.875)
+
 
 class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting."""
@@ -71,8 +83,8 @@ class PlacementConfig:
     # starts or restarts a conversation. Its next turns resume at its end,
     # so for a while its only states are its turns' anchors, all near the
     # top, and a short cut under pressure costs the whole prompt. It also
-    # keeps a checkpoint at each of these fractions of its length. Off by
-    # default (see BENCHMARKS.md: +0.005 at 1.0x, mixed at 0.83x).
+    # keeps a checkpoint at each of these fractions of its length. Off in
+    # the core's own pools; a vLLM server defaults to SERVER_COLD_FRACTIONS.
     cold_fractions: tuple = ()
     # Any prompt keeps a checkpoint at each of these fractions of its length
     # that falls inside the span its prefill computes (above its hit, below
@@ -103,6 +115,10 @@ class CacheConfig:
     # None: DEFAULT_HEADROOM_PER_SEQ per request slot
     state_checkpoint_slots: Optional[int] = None
     successor_room: int = 1
+    # how many tokens of KV one state checkpoint's bytes would hold (the
+    # replay planner's geometry gives it; 0: unknown): a cold checkpoint
+    # must be able to save a few times that (placement.COLD_MIN_SAVING)
+    checkpoint_kv_tokens: int = 0
     interior_states_readable: bool = False
     # vLLM plugin: "on" writes planned checkpoints from inside a prefill
     # forward where this package has an extraction path for the platform
@@ -165,6 +181,7 @@ def validate(cfg: CacheConfig) -> None:
     _non_negative("num_spec", cfg.num_spec)
     _non_negative("state_checkpoint_slots", cfg.state_checkpoint_slots)
     _positive("successor_room", cfg.successor_room)
+    _non_negative("checkpoint_kv_tokens", cfg.checkpoint_kv_tokens)
     _non_negative("stats_log_interval", cfg.stats_log_interval)
     _one_of("admission_order", cfg.admission_order, ADMISSION_ORDERS)
     _one_of("admission_gate", cfg.admission_gate, ADMISSION_GATE_MODES)
@@ -257,7 +274,8 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
     "ATOM_STATE_CHECKPOINT_COLD": (
         "placement", "cold_fractions", _parse_fractions,
         "comma list: a prompt resumed below half its length also keeps a checkpoint at each "
-        "fraction of its length (unset: none)"),
+        "fraction of its length (unset: 0.5,0.875 in a vLLM server, none in the replay "
+        "planner; empty: none)"),
     "ATOM_STATE_CHECKPOINT_SPAN": (
         "placement", "span_fractions", _parse_fractions,
         "comma list: any prompt also keeps a checkpoint at each fraction of its length that its "
@@ -332,6 +350,15 @@ def engine_settings(environ: Optional[Mapping[str, str]] = None,
             raise ConfigError(f"{e} (from {where})") from None
         out[var] = raw
     return out
+
+
+def server_config() -> CacheConfig:
+    """The defaults of a vLLM server with the plugin, before its ATOM_*
+    settings: the core's, with stats reported every
+    SERVER_STATS_LOG_INTERVAL admissions and the cold ladder
+    SERVER_COLD_FRACTIONS."""
+    return CacheConfig(stats_log_interval=SERVER_STATS_LOG_INTERVAL,
+                       placement=PlacementConfig(cold_fractions=SERVER_COLD_FRACTIONS))
 
 
 def engine_config(additional_config: object = None, base: Optional[CacheConfig] = None,

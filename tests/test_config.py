@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from atom_hybrid_cache.config import (ADDITIONAL_CONFIG_KEY, CacheConfig, ConfigError, apply_env,
-                                      engine_settings)
+from atom_hybrid_cache.config import (ADDITIONAL_CONFIG_KEY, SERVER_COLD_FRACTIONS,
+                                      SERVER_STATS_LOG_INTERVAL, CacheConfig, ConfigError,
+                                      apply_env, engine_config, engine_settings, server_config)
 
 
 def test_exported_variables_only_when_the_engine_names_nothing():
@@ -47,3 +48,22 @@ def test_a_bad_entry_names_the_setting_and_where_it_came_from(ours, message):
     with pytest.raises(ConfigError) as e:
         apply_env(CacheConfig(), engine_settings({}, {ADDITIONAL_CONFIG_KEY: ours}))
     assert message in str(e.value)
+
+
+def test_a_server_differs_from_the_core_in_two_defaults():
+    server, core = server_config(), CacheConfig()
+    assert server.placement.cold_fractions == SERVER_COLD_FRACTIONS == (0.5, 0.875)
+    assert server.stats_log_interval == SERVER_STATS_LOG_INTERVAL == 100
+    assert core.placement.cold_fractions == () and core.stats_log_interval == 0
+    import dataclasses
+    assert dataclasses.replace(server, stats_log_interval=0, placement=core.placement) == core
+
+
+def test_an_empty_cold_setting_turns_the_server_ladder_off():
+    cfg = engine_config(None, server_config(), environ={"ATOM_STATE_CHECKPOINT_COLD": ""})
+    assert cfg.placement.cold_fractions == ()
+    cfg = engine_config({ADDITIONAL_CONFIG_KEY: {"ATOM_STATE_CHECKPOINT_COLD": [0.875]}},
+                        server_config(), environ={})
+    assert cfg.placement.cold_fractions == (0.875,)
+    # the replay planner's placement (the core's) has none unless exported
+    assert engine_config(environ={}).placement.cold_fractions == ()

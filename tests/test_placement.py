@@ -163,12 +163,13 @@ def test_checkpoint_targets_add_and_pop_through_order():
 
 # -- cold-prompt checkpoints ----------------------------------------------
 
-def _cold_targets(L, hit, **placement):
+def _cold_targets(L, hit, checkpoint_kv_tokens=0, **placement):
     from atom_hybrid_cache.config import PlacementConfig
     from atom_hybrid_cache.core.placement import plan_checkpoints
 
     t = plan_checkpoints(L, 32, hit=hit, compressed=hit, reusable=hit, kv_share_tokens=1 << 20,
-                         placement=PlacementConfig(**placement), successor_room=1, interval=-1)
+                         placement=PlacementConfig(**placement), successor_room=1, interval=-1,
+                         checkpoint_kv_tokens=checkpoint_kv_tokens)
     return dict(t.kinds)
 
 
@@ -180,6 +181,17 @@ def test_a_cold_prompt_keeps_a_checkpoint_at_each_cold_fraction():
         1184: "fallback", 2080: "fallback", 2400: "anchor"}
     # resumed below half its length (a restart after a cut): still cold
     assert _cold_targets(2408, 1184, cold_fractions=(0.875,)) == {2080: "fallback", 2400: "anchor"}
+
+
+def test_no_cold_checkpoint_below_four_checkpoints_worth_of_kv():
+    # a checkpoint the KV of 288 tokens: none below 4 x 288 = 1,152
+    assert _cold_targets(2408, 0, 288, cold_fractions=(0.5, 0.875)) == {
+        1184: "fallback", 2080: "fallback", 2400: "anchor"}
+    # of 300 tokens: none below 1,200, so 1,184 goes
+    assert _cold_targets(2408, 0, 300, cold_fractions=(0.5, 0.875)) == {
+        2080: "fallback", 2400: "anchor"}
+    # the floor is for the cold ladder only: the anchor stays
+    assert _cold_targets(2408, 0, 1000, cold_fractions=(0.5, 0.875)) == {2400: "anchor"}
 
 
 def test_a_warm_prompt_or_the_default_keeps_none():

@@ -181,7 +181,8 @@ class HybridCacheManager:
         req.targets = plan_checkpoints(
             req.prompt_len, B, hit=usable * B, compressed=compressed * B, reusable=reusable * B,
             kv_share_tokens=self.kv_share_tokens, placement=self.cfg.placement,
-            successor_room=self.cfg.successor_room, interval=self.interval)
+            successor_room=self.cfg.successor_room, interval=self.interval,
+            checkpoint_kv_tokens=self.cfg.checkpoint_kv_tokens)
 
     # -- prefill -------------------------------------------------------
     def next_chunk(self, req: Request, budget: int) -> int:

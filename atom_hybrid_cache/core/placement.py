@@ -117,18 +117,27 @@ FALLBACK_GRID_TOKENS = 4096
 # `PlacementConfig.cold_fractions`.
 COLD_PROMPT_MAX_HIT_FRACTION = 0.5
 
+# A cold checkpoint sits at least this many times its own cost (the KV its
+# bytes would hold) into the prompt: one lower saves less than the KV it
+# displaces. With 2 the tiny-pool e2e workload (prompts under 2,000 tokens,
+# a checkpoint the KV of 384) still lost a fifth of its hits to them; with 4
+# none is placed there and every larger workload measured keeps its gain.
+COLD_MIN_SAVING = 4
+
 
 def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: int,
                      reusable: int, kv_share_tokens: int, placement, successor_room: int,
-                     interval: int) -> CheckpointTargets:
+                     interval: int, checkpoint_kv_tokens: int = 0) -> CheckpointTargets:
     """The checkpoints one admitted prompt should leave behind.
 
     All lengths are tokens, multiples of `block_size` except `prompt_len`:
     `hit` is where the request resumes (KV and state), `compressed` how far
     its KV prefix alone reached, `reusable` how far an unbounded cache would
     have reached (the excess over `compressed` is a KV tail cut), and
-    `kv_share_tokens` one request slot's share of the KV pool. The replay
-    manager and the vLLM scheduler both place checkpoints with this rule.
+    `kv_share_tokens` one request slot's share of the KV pool, and
+    `checkpoint_kv_tokens` how many tokens of KV one checkpoint's bytes
+    would hold (0: unknown). The replay manager and the vLLM scheduler both
+    place checkpoints with this rule.
     """
     p = placement
     B = block_size
@@ -165,8 +174,11 @@ def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: 
                 t.add(pos, "fallback")
     if hit < L * COLD_PROMPT_MAX_HIT_FRACTION:
         # A conversation's start: until it grows, a cut needs a state lower
-        # than its next turns' anchors.
-        _add_prompt_fractions(t, L, B, p.cold_fractions, hit, L - successor_room)
+        # than its next turns' anchors, and a client that rewrites it later
+        # (a compaction keeping the system prompt and tools, a retry) keeps
+        # part of it. Positions start at COLD_MIN_SAVING checkpoints' worth.
+        lowest = COLD_MIN_SAVING * checkpoint_kv_tokens
+        _add_prompt_fractions(t, L, B, p.cold_fractions, max(hit, lowest - 1), L - successor_room)
     # A conversation's states sit at its turns' prompt ends: a turn that
     # appends much (a large file read, a conversation's start) leaves a gap
     # as wide as what it appended, and a cut inside it under pressure costs

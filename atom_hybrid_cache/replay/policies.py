@@ -65,7 +65,8 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
     def cfg(placement: PlacementConfig, headroom: int, **kw) -> CacheConfig:
         return CacheConfig(block_size=block_size, num_kv_blocks=kv_blocks(live + headroom),
                            max_num_seqs=max_num_seqs, num_spec=num_spec,
-                           state_checkpoint_slots=headroom, placement=placement, **kw)
+                           state_checkpoint_slots=headroom, placement=placement,
+                           checkpoint_kv_tokens=state_slot_bytes // kv_bytes_per_token, **kw)
 
     default = cfg(base_placement, headroom_slots)
     specs = []

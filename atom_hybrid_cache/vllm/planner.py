@@ -73,13 +73,14 @@ class KVPages(NamedTuple):
 class CheckpointPlanner:
     def __init__(self, placement: PlacementConfig, *, block_size: int, hash_block_size: int,
                  kv_share_tokens: int, stats_log_interval: int,
-                 interior_readable: bool = False,
+                 interior_readable: bool = False, checkpoint_kv_tokens: int = 0,
                  log: Callable[[str], None] = logger.info,
                  warn: Callable[[str], None] = logger.warning) -> None:
         self.placement = placement
         self.block_size = block_size
         self.hash_block_size = hash_block_size
         self.kv_share_tokens = kv_share_tokens
+        self.checkpoint_kv_tokens = checkpoint_kv_tokens
         self.interval = snap_interval(placement.interval_tokens, block_size, warn)
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"
@@ -104,7 +105,8 @@ class CheckpointPlanner:
             targets = plan_checkpoints(
                 prompt_len, B, hit=hit, compressed=compressed // B * B,
                 reusable=reusable // B * B, kv_share_tokens=self.kv_share_tokens,
-                placement=self.placement, successor_room=1, interval=self.interval)
+                placement=self.placement, successor_room=1, interval=self.interval,
+                checkpoint_kv_tokens=self.checkpoint_kv_tokens)
         else:
             targets = CheckpointTargets()
         # vLLM keeps the prompt-end state itself (at hash granularity, finer

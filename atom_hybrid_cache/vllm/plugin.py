@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Optional
 
-from ..config import ENV_VARS, ConfigError, PlacementConfig, engine_config
+from ..config import ENV_VARS, ConfigError, PlacementConfig, engine_config, server_config
 
 PLUGIN_NAME = "atom_hybrid_cache"
 
@@ -38,11 +38,11 @@ def enabled(environ=None) -> bool:
 
 
 def settings_from_env(environ=None) -> PlacementConfig:
-    """The placement settings with exported ATOM_* variables applied.
-    Raises ConfigError naming the offending variable."""
+    """The server's placement settings with exported ATOM_* variables
+    applied. Raises ConfigError naming the offending variable."""
     # The pool sizes come from vLLM later; a nominal config carries the
     # variables through the same parser and validator the core uses.
-    return engine_config(environ=environ).placement
+    return engine_config(base=server_config(), environ=environ).placement
 
 
 def _ensure_log_handler() -> None:

@@ -36,8 +36,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..config import (ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, SERVER_STATS_LOG_INTERVAL,
-                      CacheConfig, engine_config)
+from ..config import ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, engine_config, server_config
 from .admission_gate import AdmissionGate
 from .admission_order import order_waiting
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
@@ -73,11 +72,10 @@ class AtomSchedulerMixin:
     def _atom_setup(self) -> None:
         self._atom = None
         self._atom_gate = None
-        # the exported ATOM_* variables, then this engine's --additional-config;
-        # a server reports its stats every SERVER_STATS_LOG_INTERVAL admissions
-        # unless told otherwise
+        # the server's defaults, then the exported ATOM_* variables, then this
+        # engine's --additional-config
         extra = self.vllm_config.additional_config
-        env_cfg = engine_config(extra, CacheConfig(stats_log_interval=SERVER_STATS_LOG_INTERVAL))
+        env_cfg = engine_config(extra, server_config())
         if isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY):
             logger.info("atom_hybrid_cache: settings from --additional-config: %s",
                         extra[ADDITIONAL_CONFIG_KEY])
@@ -104,11 +102,17 @@ class AtomSchedulerMixin:
         block_size = first.block_size
         num_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks
         max_seqs = self.scheduler_config.max_num_seqs
+        kv_groups = [(g, m.block_size) for g, m in enumerate(managers)
+                     if not isinstance(m.kv_cache_spec, MambaSpec)]
+        # every group's page has the same bytes: a checkpoint takes one page
+        # per state group, a block of tokens one page per attention group
+        checkpoint_kv_tokens = len(state_groups) * block_size // max(1, len(kv_groups))
         planner = CheckpointPlanner(
             env_cfg.placement, block_size=block_size, hash_block_size=self.hash_block_size,
             kv_share_tokens=(num_blocks - 1) * block_size // max_seqs,
             stats_log_interval=env_cfg.stats_log_interval,
-            interior_readable=bool(getattr(first.kv_cache_spec, "interior_checkpoints", False)))
+            interior_readable=bool(getattr(first.kv_cache_spec, "interior_checkpoints", False)),
+            checkpoint_kv_tokens=checkpoint_kv_tokens)
         for g in state_groups:
             managers[g].attach(planner)
         self._atom = planner
@@ -128,8 +132,7 @@ class AtomSchedulerMixin:
         self._atom_states = StateSearch(self.kv_cache_manager.block_pool, state_groups,
                                         self.hash_block_size, block_size)
         # [(group id, block size)] of the attention groups
-        self._atom_kv_groups = [(g, m.block_size) for g, m in enumerate(managers)
-                                if not isinstance(m.kv_cache_spec, MambaSpec)]
+        self._atom_kv_groups = kv_groups
         logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
                     "tokens, hash unit %d, pool %d blocks; checkpoints %s; admission order %s; "
                     "admission gate %s; placement %s",

@@ -27,6 +27,10 @@ def make_plugin_scheduler(monkeypatch):
     policy = SB.POLICIES["plugin"]
     for k, v in {**SB.CLI_ENV, **dict(policy.env)}.items():
         monkeypatch.setenv(k, v)
+    # Each test here watches one mechanism on a small pool; the server's cold
+    # ladder would add states to every first prompt (test_cold_ladder.py
+    # serves it; a test unsets this before make() to get it).
+    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_COLD", "")
 
     def make(budget_gib: float = 2.5):
         built = SB.build_configs(policy, concurrency=2, budget_bytes=int(budget_gib * SB.GIB),
