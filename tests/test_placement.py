@@ -194,6 +194,30 @@ def test_no_cold_checkpoint_below_four_checkpoints_worth_of_kv():
     assert _cold_targets(2408, 0, 1000, cold_fractions=(0.5, 0.875)) == {2400: "anchor"}
 
 
+def test_a_pool_of_fewer_than_100_checkpoints_keeps_no_cold_ladder():
+    from atom_hybrid_cache.core.placement import affordable_cold_fractions
+    assert affordable_cold_fractions((0.5, 0.875), 100 * 384, 384) == (0.5, 0.875)
+    assert affordable_cold_fractions((0.5, 0.875), 100 * 384 - 1, 384) == ()
+    # a checkpoint of unknown cost: no limit
+    assert affordable_cold_fractions((0.5,), 10, 0) == (0.5,)
+
+
+def test_the_core_manager_drops_an_unaffordable_cold_ladder_and_says_so():
+    from atom_hybrid_cache.config import CacheConfig, PlacementConfig
+    from atom_hybrid_cache.core.manager import HybridCacheManager
+    said = []
+    cold = PlacementConfig(cold_fractions=(0.5, 0.875))
+    # 64 blocks of 16 tokens: 1,008 tokens of KV; a checkpoint of 16 is 63 of them
+    small = HybridCacheManager(CacheConfig(num_kv_blocks=64, placement=cold,
+                                           checkpoint_kv_tokens=16), warn=said.append)
+    assert small.placement.cold_fractions == ()
+    assert said == ["cold ladder off: the KV pool (1,008 tokens) holds 63 checkpoints' worth, "
+                    "under 100"]
+    roomy = HybridCacheManager(CacheConfig(num_kv_blocks=128, placement=cold,
+                                           checkpoint_kv_tokens=16), warn=said.append)
+    assert roomy.placement.cold_fractions == (0.5, 0.875) and len(said) == 1
+
+
 def test_a_warm_prompt_or_the_default_keeps_none():
     # the next turn resumes at the first one's end: not cold
     assert _cold_targets(2543, 2400, cold_fractions=(0.875,)) == {2528: "anchor"}

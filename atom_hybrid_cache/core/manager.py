@@ -9,6 +9,7 @@ anywhere else gives wrong output, silently).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -16,8 +17,9 @@ from typing import Callable, Optional, Sequence
 from ..config import CacheConfig
 from .hashing import ROOT_PARENT
 from .kv_pool import KVBlockPool
-from .placement import (CheckpointTargets, chunk_end, is_rung, ladder_positions,
-                        plan_checkpoints, resume_cap_blocks, snap_interval)
+from .placement import (COLD_MIN_POOL_CHECKPOINTS, CheckpointTargets, affordable_cold_fractions,
+                        chunk_end, is_rung, ladder_positions, plan_checkpoints,
+                        resume_cap_blocks, snap_interval)
 from .state_pool import CheckpointInfo, StateSlotPool
 from .stats import CacheStats, format_stats_lines
 
@@ -95,6 +97,14 @@ class HybridCacheManager:
         self._seen: set[int] = set()
         self._seen_limit = oracle_limit if oracle_limit is not None else 16 * cfg.num_kv_blocks
         self.kv_share_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size // cfg.max_num_seqs
+        pool_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size
+        cold = affordable_cold_fractions(p.cold_fractions, pool_tokens, cfg.checkpoint_kv_tokens)
+        if cold != p.cold_fractions:
+            warn(f"cold ladder off: the KV pool ({pool_tokens:,} tokens) holds "
+                 f"{pool_tokens // cfg.checkpoint_kv_tokens} checkpoints' worth, under "
+                 f"{COLD_MIN_POOL_CHECKPOINTS}")
+            p = dataclasses.replace(p, cold_fractions=cold)
+        self.placement = p
         self.running: dict[object, Request] = {}
         self._protected_kinds = frozenset(p.protected_kinds)
 
@@ -180,7 +190,7 @@ class HybridCacheManager:
         B = self.block_size
         req.targets = plan_checkpoints(
             req.prompt_len, B, hit=usable * B, compressed=compressed * B, reusable=reusable * B,
-            kv_share_tokens=self.kv_share_tokens, placement=self.cfg.placement,
+            kv_share_tokens=self.kv_share_tokens, placement=self.placement,
             successor_room=self.cfg.successor_room, interval=self.interval,
             checkpoint_kv_tokens=self.cfg.checkpoint_kv_tokens)
 

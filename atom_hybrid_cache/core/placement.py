@@ -118,11 +118,27 @@ FALLBACK_GRID_TOKENS = 4096
 COLD_PROMPT_MAX_HIT_FRACTION = 0.5
 
 # A cold checkpoint sits at least this many times its own cost (the KV its
-# bytes would hold) into the prompt: one lower saves less than the KV it
-# displaces. With 2 the tiny-pool e2e workload (prompts under 2,000 tokens,
-# a checkpoint the KV of 384) still lost a fifth of its hits to them; with 4
-# none is placed there and every larger workload measured keeps its gain.
+# bytes would hold) into the prompt: a state can save at most its position,
+# and only some of them are ever read (about one conversation in two
+# rewrites into its first prompt in the shared traces).
 COLD_MIN_SAVING = 4
+
+# The cold ladder's states are insurance, most never read, and each takes
+# its pages from the live prefixes. A pool holding fewer checkpoints' worth
+# of KV than this runs without it: on the measured pools of 21 and 30 (63
+# pages for 4 conversations, 91 for 2) it cost a fifth to a third of their
+# hits; from 150 up (every other workload measured) it gained on average.
+COLD_MIN_POOL_CHECKPOINTS = 100
+
+
+def affordable_cold_fractions(fractions: tuple, pool_kv_tokens: int,
+                              checkpoint_kv_tokens: int) -> tuple:
+    """`fractions`, or () where a pool of `pool_kv_tokens` tokens of KV holds
+    fewer than COLD_MIN_POOL_CHECKPOINTS checkpoints of
+    `checkpoint_kv_tokens` (0: unknown, no limit)."""
+    if checkpoint_kv_tokens and pool_kv_tokens < COLD_MIN_POOL_CHECKPOINTS * checkpoint_kv_tokens:
+        return ()
+    return fractions
 
 
 def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: int,

@@ -13,13 +13,16 @@ it has already classified.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from ..config import PlacementConfig
-from ..core.placement import CheckpointTargets, chunk_end, plan_checkpoints, snap_interval
+from ..core.placement import (COLD_MIN_POOL_CHECKPOINTS, CheckpointTargets,
+                              affordable_cold_fractions, chunk_end, plan_checkpoints,
+                              snap_interval)
 from ..core.stats import CacheStats, format_stats_lines
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -74,8 +77,16 @@ class CheckpointPlanner:
     def __init__(self, placement: PlacementConfig, *, block_size: int, hash_block_size: int,
                  kv_share_tokens: int, stats_log_interval: int,
                  interior_readable: bool = False, checkpoint_kv_tokens: int = 0,
+                 pool_kv_tokens: int = 0,
                  log: Callable[[str], None] = logger.info,
                  warn: Callable[[str], None] = logger.warning) -> None:
+        cold = affordable_cold_fractions(placement.cold_fractions, pool_kv_tokens,
+                                         checkpoint_kv_tokens)
+        if cold != placement.cold_fractions:
+            warn(f"atom_hybrid_cache: cold ladder off: the KV pool ({pool_kv_tokens:,} tokens) "
+                 f"holds {pool_kv_tokens // checkpoint_kv_tokens} checkpoints' worth, under "
+                 f"{COLD_MIN_POOL_CHECKPOINTS}")
+            placement = dataclasses.replace(placement, cold_fractions=cold)
         self.placement = placement
         self.block_size = block_size
         self.hash_block_size = hash_block_size

@@ -112,7 +112,8 @@ class AtomSchedulerMixin:
             kv_share_tokens=(num_blocks - 1) * block_size // max_seqs,
             stats_log_interval=env_cfg.stats_log_interval,
             interior_readable=bool(getattr(first.kv_cache_spec, "interior_checkpoints", False)),
-            checkpoint_kv_tokens=checkpoint_kv_tokens)
+            checkpoint_kv_tokens=checkpoint_kv_tokens,
+            pool_kv_tokens=(num_blocks - 1) * block_size // max(1, len(kv_groups)))
         for g in state_groups:
             managers[g].attach(planner)
         self._atom = planner
@@ -141,7 +142,7 @@ class AtomSchedulerMixin:
                     "written inside prefill forwards" if planner.interior_readable
                     else "at prefill chunk ends (chunks cut onto them)",
                     env_cfg.admission_order, "on" if self._atom_gate else "off",
-                    env_cfg.placement)
+                    planner.placement)
         if self.hash_block_size > PREFIX_MATCH_UNIT_TOKENS:
             logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; leave "
                            "--prefix-match-unit unset (the plugin then picks %d or a divisor "

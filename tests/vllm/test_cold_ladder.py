@@ -6,12 +6,14 @@ A prompt computed from scratch keeps states at 0.5 and 0.875 of its length
 besides its end, so a later prompt that keeps only part of it (a compaction
 that keeps the system prompt and tools, a retry) resumes there instead of at
 0. A position under `placement.COLD_MIN_SAVING` checkpoints' worth of KV
-(4 x 1,344 = 5,376 tokens) gets none. `ATOM_STATE_CHECKPOINT_COLD=` (empty)
-turns the ladder off.
+(4 x 1,344 = 5,376 tokens) gets none, and a pool under
+`placement.COLD_MIN_POOL_CHECKPOINTS` checkpoints' worth runs without the
+ladder. `ATOM_STATE_CHECKPOINT_COLD=` (empty) turns it off.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -23,10 +25,12 @@ from atom_hybrid_cache.config import SERVER_COLD_FRACTIONS  # noqa: E402
 PAGE = 448
 LONG = PAGE * 40 + 1             # 17,921 tokens: its end state sits at 17,920
 SHORT = PAGE * 20 + 1            # 8,961 tokens
+ROOMY_GIB = 10                   # 365 pages: 121 checkpoints' worth of KV
 VLLM_OWN = [17024, 17920]        # the states vLLM keeps in LONG by itself
 
 
-def _serve(make_plugin_scheduler, monkeypatch, cold, first_len=LONG, kept=12_000):
+def _serve(make_plugin_scheduler, monkeypatch, cold, first_len=LONG, kept=12_000,
+           budget_gib=ROOMY_GIB):
     """Serve a cold prompt of `first_len` tokens, then a rewrite keeping its
     first `kept`. Returns (the positions of the first prompt holding a state
     after it, where the rewrite resumed)."""
@@ -34,7 +38,7 @@ def _serve(make_plugin_scheduler, monkeypatch, cold, first_len=LONG, kept=12_000
         monkeypatch.delenv("ATOM_STATE_CHECKPOINT_COLD")
     else:
         monkeypatch.setenv("ATOM_STATE_CHECKPOINT_COLD", cold)
-    sched, submit, step = make_plugin_scheduler()
+    sched, submit, step = make_plugin_scheduler(budget_gib)
     assert sched._atom.block_size == PAGE and sched.hash_block_size == 64
     assert sched._atom.checkpoint_kv_tokens == 3 * PAGE
     rng = random.Random(3)
@@ -82,3 +86,13 @@ def test_other_fractions_are_taken_as_given(make_plugin_scheduler, monkeypatch):
     # 4,480 (under 5,376: dropped) and 10,752 (0.6 of 17,921, floored)
     assert states == [10752, *VLLM_OWN]
     assert resumed == 10752
+
+
+def test_a_pool_of_few_checkpoints_runs_without_the_ladder(make_plugin_scheduler, monkeypatch,
+                                                           caplog):
+    # 2.5 GiB: 91 pages, 40,320 tokens of KV, 30 checkpoints' worth
+    with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
+        states, resumed = _serve(make_plugin_scheduler, monkeypatch, None, budget_gib=2.5)
+    assert states == VLLM_OWN and resumed == 0
+    assert ("cold ladder off: the KV pool (40,320 tokens) holds 30 checkpoints' worth, under 100"
+            in caplog.text)
