@@ -43,9 +43,10 @@ SERVER_STATS_LOG_INTERVAL = 100
 # the conversation's first prompt, mostly keeping its system prompt and
 # tools: only a state inside that prompt saves them. In vLLM's shared page
 # pool these states gained on every workload set measured, with room and
-# under pressure; in the core's own state slots (the replay planner) they
-# cost other checkpoints their slots, so the core's default stays off
-# (BENCHMARKS.md, "The cold ladder").
+# under pressure (pools too small to afford them go without:
+# core.placement.COLD_MIN_POOL_CHECKPOINTS); in the core's own state slots
+# (the replay planner) they cost other checkpoints their slots, so the
+# core's default stays off (BENCHMARKS.md, "The cold ladder").
 SERVER_COLD_FRACTIONS = (0.5, 0.875)
 
 

@@ -108,6 +108,8 @@ def study(trace_dir: Path, ladders: list[tuple[float, ...]]) -> dict:
             at_zero=sum(1 for r in found if r.shared == 0),
             tokens_inside_first=sum(r.shared for r in inside),
             tokens_above_first=sum(r.shared for r in found if r.shared > r.first),
+            above_first_dropped_deciles=[int(x) for x in deciles(
+                [r.previous - r.shared for r in found if r.shared > r.first])],
             fraction_of_first_deciles=[round(x, 2) for x in deciles(
                 [r.shared / r.first for r in inside])],
             header_gap_deciles=[int(x) for x in deciles(g["header_gap"])],
@@ -133,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  inside-first, shared / first prompt, deciles: {r['fraction_of_first_deciles']}")
         print(f"  inside-first, shared - (system + tool tokens), deciles: "
               f"{r['header_gap_deciles']}")
+        print(f"  above it, tokens of the previous prompt dropped, deciles: "
+              f"{r['above_first_dropped_deciles']}")
         print("  a cold ladder keeps of the inside-first tokens: " + ", ".join(
             f"{k} {v}" for k, v in r["ladder_keeps"].items()))
     if args.json:
