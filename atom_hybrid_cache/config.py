@@ -39,9 +39,10 @@ SERVER_STATS_LOG_INTERVAL = 100
 # The plugin's cold ladder in a vLLM server when ATOM_STATE_CHECKPOINT_COLD
 # is unset (`PlacementConfig.cold_fractions`). Agentic clients rewrite a
 # conversation below its last prompt end now and then (a compaction, a
-# retry), and 67 of the 94 such rewrites in the shared cc traces land inside
-# the conversation's first prompt, mostly keeping its system prompt and
-# tools: only a state inside that prompt saves them. In vLLM's shared page
+# retry), and 69 of the 133 such rewrites in the shared cc traces keep only
+# part of the conversation's first prompt, often its system prompt and
+# tools (benchmarks/rewrite_study.py): only a state inside that prompt
+# saves them. In vLLM's shared page
 # pool these states gained on every workload set measured, with room and
 # under pressure (pools too small to afford them go without:
 # core.placement.COLD_MIN_POOL_CHECKPOINTS); in the core's own state slots
@@ -117,8 +118,9 @@ class CacheConfig:
     state_checkpoint_slots: Optional[int] = None
     successor_room: int = 1
     # how many tokens of KV one state checkpoint's bytes would hold (the
-    # replay planner's geometry gives it; 0: unknown): a cold checkpoint
-    # must be able to save a few times that (placement.COLD_MIN_SAVING)
+    # replay planner's geometry gives it; 0: unknown): the cold ladder needs
+    # a pool of many (placement.COLD_MIN_POOL_CHECKPOINTS) and states that
+    # can save a few (placement.COLD_MIN_SAVING)
     checkpoint_kv_tokens: int = 0
     interior_states_readable: bool = False
     # vLLM plugin: "on" writes planned checkpoints from inside a prefill

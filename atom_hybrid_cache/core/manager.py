@@ -9,7 +9,6 @@ anywhere else gives wrong output, silently).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -17,9 +16,8 @@ from typing import Callable, Optional, Sequence
 from ..config import CacheConfig
 from .hashing import ROOT_PARENT
 from .kv_pool import KVBlockPool
-from .placement import (COLD_MIN_POOL_CHECKPOINTS, CheckpointTargets, affordable_cold_fractions,
-                        chunk_end, is_rung, ladder_positions, plan_checkpoints,
-                        resume_cap_blocks, snap_interval)
+from .placement import (CheckpointTargets, chunk_end, is_rung, ladder_positions,
+                        placement_for_pool, plan_checkpoints, resume_cap_blocks, snap_interval)
 from .state_pool import CheckpointInfo, StateSlotPool
 from .stats import CacheStats, format_stats_lines
 
@@ -97,14 +95,8 @@ class HybridCacheManager:
         self._seen: set[int] = set()
         self._seen_limit = oracle_limit if oracle_limit is not None else 16 * cfg.num_kv_blocks
         self.kv_share_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size // cfg.max_num_seqs
-        pool_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size
-        cold = affordable_cold_fractions(p.cold_fractions, pool_tokens, cfg.checkpoint_kv_tokens)
-        if cold != p.cold_fractions:
-            warn(f"cold ladder off: the KV pool ({pool_tokens:,} tokens) holds "
-                 f"{pool_tokens // cfg.checkpoint_kv_tokens} checkpoints' worth, under "
-                 f"{COLD_MIN_POOL_CHECKPOINTS}")
-            p = dataclasses.replace(p, cold_fractions=cold)
-        self.placement = p
+        self.placement = placement_for_pool(p, (cfg.num_kv_blocks - 1) * cfg.block_size,
+                                            cfg.checkpoint_kv_tokens, warn)
         self.running: dict[object, Request] = {}
         self._protected_kinds = frozenset(p.protected_kinds)
 

@@ -16,6 +16,7 @@ of the last block it covers.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from typing import Callable, Optional
 
 # interval values with a meaning of their own
@@ -139,6 +140,20 @@ def affordable_cold_fractions(fractions: tuple, pool_kv_tokens: int,
     if checkpoint_kv_tokens and pool_kv_tokens < COLD_MIN_POOL_CHECKPOINTS * checkpoint_kv_tokens:
         return ()
     return fractions
+
+
+def placement_for_pool(placement, pool_kv_tokens: int, checkpoint_kv_tokens: int,
+                       warn: Callable[[str], None]):
+    """`placement` without its cold ladder where the pool cannot afford it
+    (`affordable_cold_fractions`), saying so through `warn`."""
+    cold = affordable_cold_fractions(placement.cold_fractions, pool_kv_tokens,
+                                     checkpoint_kv_tokens)
+    if cold == placement.cold_fractions:
+        return placement
+    warn(f"cold ladder off: the KV pool ({pool_kv_tokens:,} tokens) holds "
+         f"{pool_kv_tokens // checkpoint_kv_tokens} checkpoints' worth, under "
+         f"{COLD_MIN_POOL_CHECKPOINTS}")
+    return dataclasses.replace(placement, cold_fractions=cold)
 
 
 def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: int,

@@ -13,16 +13,14 @@ it has already classified.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 from ..config import PlacementConfig
-from ..core.placement import (COLD_MIN_POOL_CHECKPOINTS, CheckpointTargets,
-                              affordable_cold_fractions, chunk_end, plan_checkpoints,
-                              snap_interval)
+from ..core.placement import (CheckpointTargets, chunk_end, placement_for_pool,
+                              plan_checkpoints, snap_interval)
 from ..core.stats import CacheStats, format_stats_lines
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -80,13 +78,8 @@ class CheckpointPlanner:
                  pool_kv_tokens: int = 0,
                  log: Callable[[str], None] = logger.info,
                  warn: Callable[[str], None] = logger.warning) -> None:
-        cold = affordable_cold_fractions(placement.cold_fractions, pool_kv_tokens,
-                                         checkpoint_kv_tokens)
-        if cold != placement.cold_fractions:
-            warn(f"atom_hybrid_cache: cold ladder off: the KV pool ({pool_kv_tokens:,} tokens) "
-                 f"holds {pool_kv_tokens // checkpoint_kv_tokens} checkpoints' worth, under "
-                 f"{COLD_MIN_POOL_CHECKPOINTS}")
-            placement = dataclasses.replace(placement, cold_fractions=cold)
+        placement = placement_for_pool(placement, pool_kv_tokens, checkpoint_kv_tokens,
+                                       lambda msg: warn(f"atom_hybrid_cache: {msg}"))
         self.placement = placement
         self.block_size = block_size
         self.hash_block_size = hash_block_size
