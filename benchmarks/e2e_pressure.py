@@ -10,7 +10,9 @@ caching keep when the KV pool cannot hold every live conversation?
 ``ATOM_ADMISSION_ORDER=hits-first``, ``plugin-interior`` adds
 ``ATOM_INTERIOR_CHECKPOINTS=on`` (checkpoints written inside prefill forwards
 instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
-``plugin-gated`` adds ``ATOM_ADMISSION_GATE=on``, ``plugin-gated-hits-first``
+``plugin-no-cold`` and ``plugin-no-cold-gated-hits-first`` run without the
+server's cold ladder (``ATOM_STATE_CHECKPOINT_COLD=``), beside the policies
+with it. ``plugin-gated`` adds ``ATOM_ADMISSION_GATE=on``, ``plugin-gated-hits-first``
 both admission settings; ``attention-control-gated`` is the attention-only
 control under ``AtomScheduler`` with the same gate (no plugin otherwise).
 ``plugin-zeroed-states`` is the plugin with every GDN state page zeroed
@@ -192,9 +194,13 @@ DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 # (several turns each at 2000 tokens), so the run fits a 2-core machine.
 DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
 PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-gated", "plugin-gated-hits-first",
-                   "plugin-interior", "plugin-interior-hits-first", "plugin-zeroed-states"]
+                   "plugin-interior", "plugin-interior-hits-first", "plugin-zeroed-states",
+                   "plugin-no-cold", "plugin-no-cold-gated-hits-first"]
 POLICIES = ["off", "off-rechunked", "native", "native-pmu64", "native-dense", "attention-control",
             "attention-control-gated", *PLUGIN_POLICIES]
+# ATOM_STATE_CHECKPOINT_COLD as exported when the bench started (the
+# no-cold policies set it empty for their own engines).
+EXPORTED_COLD = os.environ.get("ATOM_STATE_CHECKPOINT_COLD")
 # off-rechunked: caching off with half the prefill chunk. Its outputs differ
 # from off's only by another chunking's rounding: the noise floor that
 # "equal to the caching-off run" is read against.
@@ -447,6 +453,14 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
+        # no-cold: without the server's cold ladder, beside the policy with it
+        # in the same run; the others run with what was exported
+        if "no-cold" in policy:
+            os.environ["ATOM_STATE_CHECKPOINT_COLD"] = ""
+        elif EXPORTED_COLD is None:
+            os.environ.pop("ATOM_STATE_CHECKPOINT_COLD", None)
+        else:
+            os.environ["ATOM_STATE_CHECKPOINT_COLD"] = EXPORTED_COLD
         return {**fine_unit, "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     raise ValueError(f"unknown policy {policy!r}")
 

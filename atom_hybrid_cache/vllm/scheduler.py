@@ -106,14 +106,15 @@ class AtomSchedulerMixin:
                      if not isinstance(m.kv_cache_spec, MambaSpec)]
         # every group's page has the same bytes: a checkpoint takes one page
         # per state group, a block of tokens one page per attention group
-        checkpoint_kv_tokens = len(state_groups) * block_size // max(1, len(kv_groups))
+        pages_per_block = max(1, len(kv_groups))
+        pool_tokens = (num_blocks - 1) * block_size
         planner = CheckpointPlanner(
             env_cfg.placement, block_size=block_size, hash_block_size=self.hash_block_size,
-            kv_share_tokens=(num_blocks - 1) * block_size // max_seqs,
+            kv_share_tokens=pool_tokens // max_seqs,
             stats_log_interval=env_cfg.stats_log_interval,
             interior_readable=bool(getattr(first.kv_cache_spec, "interior_checkpoints", False)),
-            checkpoint_kv_tokens=checkpoint_kv_tokens,
-            pool_kv_tokens=(num_blocks - 1) * block_size // max(1, len(kv_groups)))
+            checkpoint_kv_tokens=len(state_groups) * block_size // pages_per_block,
+            pool_kv_tokens=pool_tokens // pages_per_block)
         for g in state_groups:
             managers[g].attach(planner)
         self._atom = planner

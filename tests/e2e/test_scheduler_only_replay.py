@@ -107,9 +107,7 @@ def test_the_plan_workload_at_full_length(pressure_bench, plugin_env, vllm_cpu_e
                                 scheduler_only=True)["cached"])
 
     assert {p: cached(p) for p in FULL_LENGTH_CACHED} == FULL_LENGTH_CACHED
-    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_COLD", "")
-    assert cached("plugin") == FULL_LENGTH_NO_COLD_CACHED
-    monkeypatch.delenv("ATOM_STATE_CHECKPOINT_COLD")
+    assert cached("plugin-no-cold") == FULL_LENGTH_NO_COLD_CACHED
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_SPAN", "0.5,0.875")
     assert cached("plugin") == FULL_LENGTH_SPAN_CACHED
 
