@@ -50,6 +50,11 @@ SERVER_STATS_LOG_INTERVAL = 100
 # core's default stays off (BENCHMARKS.md, "The cold ladder").
 SERVER_COLD_FRACTIONS = (0.5, 0.875)
 
+# The floor states a live request holds in a vLLM server when
+# ATOM_STATE_CHECKPOINT_FLOOR is unset (`PlacementConfig.floor_fractions`,
+# atom_hybrid_cache/vllm/floor_states.py).
+SERVER_FLOOR_FRACTIONS = (0.25, 0.5)
+
 
 class ConfigError(ValueError):
     """A setting has a bad value; the message names the setting."""
@@ -95,6 +100,15 @@ class PlacementConfig:
     # at 1.0x and higher on 13 of 15 means at 0.83x; the replay planner
     # loses up to 0.11 point with it and writes past 1.2 per resumed hit).
     span_fractions: tuple = ()
+    # While a request waits in vLLM's admission window or runs, the highest
+    # state at or below each of these fractions of its prompt is held (not
+    # evictable) until its release. Its KV is held then too, so the round's
+    # new pages are taken from the states under it; without a floor a few
+    # rounds of that leave a long prefix with no state at all, and the next
+    # cut costs all of it. vLLM's shared pool only (the core's manager keeps
+    # states by tier); off in the core, a vLLM server defaults to
+    # SERVER_FLOOR_FRACTIONS.
+    floor_fractions: tuple = ()
     # protected anchors/cut checkpoints per request slot (max_num_seqs).
     protected_per_seq: int = 7
     # a prefill that recomputes at least this many tokens also keeps a
@@ -202,6 +216,7 @@ def validate(cfg: CacheConfig) -> None:
     _fractions("state_checkpoint_retain", p.retain_fractions)
     _fractions("state_checkpoint_cold", p.cold_fractions)
     _fractions("state_checkpoint_span", p.span_fractions)
+    _fractions("state_checkpoint_floor", p.floor_fractions)
     _non_negative("protected_per_seq", p.protected_per_seq)
     _non_negative("state_checkpoint_insure_tokens", p.insure_recompute_tokens)
     _non_negative("state_checkpoint_insure_distance", p.insure_distance_tokens)
@@ -283,6 +298,11 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "placement", "span_fractions", _parse_fractions,
         "comma list: any prompt also keeps a checkpoint at each fraction of its length that its "
         "prefill computes (above its hit; unset: none)"),
+    "ATOM_STATE_CHECKPOINT_FLOOR": (
+        "placement", "floor_fractions", _parse_fractions,
+        "comma list: a request waiting for admission or running holds the highest state at or "
+        "below each fraction of its prompt until its release (unset: 0.25,0.5 in a vLLM "
+        "server, none in the replay planner; empty: none)"),
     "ATOM_STATE_CHECKPOINT_INSURE_TOKENS": (
         "placement", "insure_recompute_tokens", _parse_int,
         "a prefill recomputing at least N tokens also keeps a checkpoint one block below its anchor (0: never)"),
@@ -358,10 +378,11 @@ def engine_settings(environ: Optional[Mapping[str, str]] = None,
 def server_config() -> CacheConfig:
     """The defaults of a vLLM server with the plugin, before its ATOM_*
     settings: the core's, with stats reported every
-    SERVER_STATS_LOG_INTERVAL admissions and the cold ladder
-    SERVER_COLD_FRACTIONS."""
+    SERVER_STATS_LOG_INTERVAL admissions, the cold ladder
+    SERVER_COLD_FRACTIONS and the floor states SERVER_FLOOR_FRACTIONS."""
     return CacheConfig(stats_log_interval=SERVER_STATS_LOG_INTERVAL,
-                       placement=PlacementConfig(cold_fractions=SERVER_COLD_FRACTIONS))
+                       placement=PlacementConfig(cold_fractions=SERVER_COLD_FRACTIONS,
+                                                 floor_fractions=SERVER_FLOOR_FRACTIONS))
 
 
 def engine_config(additional_config: object = None, base: Optional[CacheConfig] = None,

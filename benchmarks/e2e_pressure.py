@@ -12,7 +12,8 @@ caching keep when the KV pool cannot hold every live conversation?
 instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
 ``plugin-no-cold`` and ``plugin-no-cold-gated-hits-first`` run without the
 server's cold ladder (``ATOM_STATE_CHECKPOINT_COLD=``), beside the policies
-with it. ``plugin-gated`` adds ``ATOM_ADMISSION_GATE=on``, ``plugin-gated-hits-first``
+with it; ``plugin-no-floor`` and ``plugin-no-floor-gated-hits-first`` without
+its floor states (``ATOM_STATE_CHECKPOINT_FLOOR=``). ``plugin-gated`` adds ``ATOM_ADMISSION_GATE=on``, ``plugin-gated-hits-first``
 both admission settings; ``attention-control-gated`` is the attention-only
 control under ``AtomScheduler`` with the same gate (no plugin otherwise).
 ``plugin-zeroed-states`` is the plugin with every GDN state page zeroed
@@ -195,12 +196,14 @@ DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
 PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-gated", "plugin-gated-hits-first",
                    "plugin-interior", "plugin-interior-hits-first", "plugin-zeroed-states",
-                   "plugin-no-cold", "plugin-no-cold-gated-hits-first"]
+                   "plugin-no-cold", "plugin-no-cold-gated-hits-first",
+                   "plugin-no-floor", "plugin-no-floor-gated-hits-first"]
 POLICIES = ["off", "off-rechunked", "native", "native-pmu64", "native-dense", "attention-control",
             "attention-control-gated", *PLUGIN_POLICIES]
-# ATOM_STATE_CHECKPOINT_COLD as exported when the bench started (the
-# no-cold policies set it empty for their own engines).
+# ATOM_STATE_CHECKPOINT_COLD and _FLOOR as exported when the bench started
+# (the no-cold and no-floor policies set theirs empty for their own engines).
 EXPORTED_COLD = os.environ.get("ATOM_STATE_CHECKPOINT_COLD")
+EXPORTED_FLOOR = os.environ.get("ATOM_STATE_CHECKPOINT_FLOOR")
 # off-rechunked: caching off with half the prefill chunk. Its outputs differ
 # from off's only by another chunking's rounding: the noise floor that
 # "equal to the caching-off run" is read against.
@@ -453,14 +456,17 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
-        # no-cold: without the server's cold ladder, beside the policy with it
-        # in the same run; the others run with what was exported
-        if "no-cold" in policy:
-            os.environ["ATOM_STATE_CHECKPOINT_COLD"] = ""
-        elif EXPORTED_COLD is None:
-            os.environ.pop("ATOM_STATE_CHECKPOINT_COLD", None)
-        else:
-            os.environ["ATOM_STATE_CHECKPOINT_COLD"] = EXPORTED_COLD
+        # no-cold / no-floor: without the server's cold ladder / floor states,
+        # beside the policy with them in the same run; the others run with
+        # what was exported
+        for tag, var, exported in (("no-cold", "ATOM_STATE_CHECKPOINT_COLD", EXPORTED_COLD),
+                                   ("no-floor", "ATOM_STATE_CHECKPOINT_FLOOR", EXPORTED_FLOOR)):
+            if tag in policy:
+                os.environ[var] = ""
+            elif exported is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = exported
         return {**fine_unit, "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     raise ValueError(f"unknown policy {policy!r}")
 

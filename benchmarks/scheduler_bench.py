@@ -190,6 +190,13 @@ POLICIES: dict[str, Policy] = {
     "plugin-gated-hits-first": Policy("plugin-gated-hits-first", 64, 64, plugin=True,
                                       env=(("ATOM_ADMISSION_GATE", "on"),
                                            ("ATOM_ADMISSION_ORDER", "hits-first"))),
+    # without the server's floor states, beside the policies with them
+    "plugin-no-floor": Policy("plugin-no-floor", 64, 64, plugin=True,
+                              env=(("ATOM_STATE_CHECKPOINT_FLOOR", ""),)),
+    "plugin-no-floor-gated-hits-first": Policy(
+        "plugin-no-floor-gated-hits-first", 64, 64, plugin=True,
+        env=(("ATOM_ADMISSION_GATE", "on"), ("ATOM_ADMISSION_ORDER", "hits-first"),
+             ("ATOM_STATE_CHECKPOINT_FLOOR", ""))),
     # vLLM's default --block-size (native's block) and no --prefix-match-unit:
     # the hash unit the plugin then asks vLLM for (registration.
     # plugin_prefix_match_unit: gcd(64, 400) = 16 in this geometry)

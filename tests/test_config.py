@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from atom_hybrid_cache.config import (ADDITIONAL_CONFIG_KEY, SERVER_COLD_FRACTIONS,
-                                      SERVER_STATS_LOG_INTERVAL, CacheConfig, ConfigError,
+                                      SERVER_FLOOR_FRACTIONS, SERVER_STATS_LOG_INTERVAL, CacheConfig, ConfigError,
                                       apply_env, engine_config, engine_settings, server_config)
 
 
@@ -50,13 +50,30 @@ def test_a_bad_entry_names_the_setting_and_where_it_came_from(ours, message):
     assert message in str(e.value)
 
 
-def test_a_server_differs_from_the_core_in_two_defaults():
+def test_a_server_differs_from_the_core_in_three_defaults():
     server, core = server_config(), CacheConfig()
     assert server.placement.cold_fractions == SERVER_COLD_FRACTIONS == (0.5, 0.875)
+    assert server.placement.floor_fractions == SERVER_FLOOR_FRACTIONS == (0.25, 0.5)
     assert server.stats_log_interval == SERVER_STATS_LOG_INTERVAL == 100
-    assert core.placement.cold_fractions == () and core.stats_log_interval == 0
+    assert core.placement.cold_fractions == () and core.placement.floor_fractions == ()
+    assert core.stats_log_interval == 0
     import dataclasses
-    assert dataclasses.replace(server, stats_log_interval=0, placement=core.placement) == core
+    placement = dataclasses.replace(server.placement, cold_fractions=(), floor_fractions=())
+    assert placement == core.placement
+    assert dataclasses.replace(server, stats_log_interval=0, placement=placement) == core
+
+
+def test_floor_settings_empty_given_or_bad():
+    cfg = engine_config(None, server_config(), environ={"ATOM_STATE_CHECKPOINT_FLOOR": ""})
+    assert cfg.placement.floor_fractions == ()
+    cfg = engine_config({ADDITIONAL_CONFIG_KEY: {"ATOM_STATE_CHECKPOINT_FLOOR": [0.5]}},
+                        server_config(), environ={})
+    assert cfg.placement.floor_fractions == (0.5,)
+    assert engine_config(environ={}).placement.floor_fractions == ()
+    with pytest.raises(ConfigError) as e:
+        engine_config(None, server_config(), environ={"ATOM_STATE_CHECKPOINT_FLOOR": "0.5,1.5"})
+    assert "state_checkpoint_floor fractions must be in (0, 1), got 1.5" in str(e.value)
+    assert "ATOM_STATE_CHECKPOINT_FLOOR" in str(e.value)
 
 
 def test_an_empty_cold_setting_turns_the_server_ladder_off():

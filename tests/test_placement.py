@@ -218,6 +218,21 @@ def test_the_core_manager_drops_an_unaffordable_cold_ladder_and_says_so():
     assert roomy.placement.cold_fractions == (0.5, 0.875) and len(said) == 1
 
 
+def test_a_small_pool_drops_the_floor_states_too_and_names_what_it_dropped():
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.placement import placement_for_pool
+    said = []
+    both = PlacementConfig(cold_fractions=(0.5,), floor_fractions=(0.25, 0.5))
+    assert placement_for_pool(both, 100 * 384, 384, said.append) is both and said == []
+    small = placement_for_pool(both, 99 * 384, 384, said.append)
+    assert (small.cold_fractions, small.floor_fractions) == ((), ())
+    assert said == ["cold ladder and floor states off: the KV pool (38,016 tokens) holds 99 "
+                    "checkpoints' worth, under 100"]
+    floors_only = PlacementConfig(floor_fractions=(0.5,))
+    assert placement_for_pool(floors_only, 10 * 384, 384, said.append).floor_fractions == ()
+    assert said[-1].startswith("floor states off: the KV pool (3,840 tokens)")
+
+
 def test_a_warm_prompt_or_the_default_keeps_none():
     # the next turn resumes at the first one's end: not cold
     assert _cold_targets(2543, 2400, cold_fractions=(0.875,)) == {2528: "anchor"}

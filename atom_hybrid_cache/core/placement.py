@@ -124,11 +124,12 @@ COLD_PROMPT_MAX_HIT_FRACTION = 0.5
 # rewrites into its first prompt in the shared traces).
 COLD_MIN_SAVING = 4
 
-# The cold ladder's states are insurance, most never read, and each takes
-# its pages from the live prefixes. A pool holding fewer checkpoints' worth
-# of KV than this runs without it: on the measured pools of 21 and 30 (63
-# pages for 4 conversations, 91 for 2) it cost a fifth to a third of their
-# hits; from 150 up (every other workload measured) it gained on average.
+# The cold ladder's and the floors' states are insurance, most never read,
+# and each takes its pages from the live prefixes. A pool holding fewer
+# checkpoints' worth of KV than this runs without them: on the measured
+# pools of 21 and 30 (63 pages for 4 conversations, 91 for 2) the ladder
+# cost a fifth to a third of their hits; from 150 up (every other workload
+# measured) it gained on average.
 COLD_MIN_POOL_CHECKPOINTS = 100
 
 
@@ -144,16 +145,19 @@ def affordable_cold_fractions(fractions: tuple, pool_kv_tokens: int,
 
 def placement_for_pool(placement, pool_kv_tokens: int, checkpoint_kv_tokens: int,
                        warn: Callable[[str], None]):
-    """`placement` without its cold ladder where the pool cannot afford it
-    (`affordable_cold_fractions`), saying so through `warn`."""
-    cold = affordable_cold_fractions(placement.cold_fractions, pool_kv_tokens,
-                                     checkpoint_kv_tokens)
-    if cold == placement.cold_fractions:
+    """`placement` without its cold ladder and floor states where the pool
+    cannot afford them (`affordable_cold_fractions`), saying so through
+    `warn`."""
+    dropped = [name for name, fractions in (("cold ladder", placement.cold_fractions),
+                                            ("floor states", placement.floor_fractions))
+               if fractions and not affordable_cold_fractions(fractions, pool_kv_tokens,
+                                                              checkpoint_kv_tokens)]
+    if not dropped:
         return placement
-    warn(f"cold ladder off: the KV pool ({pool_kv_tokens:,} tokens) holds "
+    warn(f"{' and '.join(dropped)} off: the KV pool ({pool_kv_tokens:,} tokens) holds "
          f"{pool_kv_tokens // checkpoint_kv_tokens} checkpoints' worth, under "
          f"{COLD_MIN_POOL_CHECKPOINTS}")
-    return dataclasses.replace(placement, cold_fractions=cold)
+    return dataclasses.replace(placement, cold_fractions=(), floor_fractions=())
 
 
 def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: int,

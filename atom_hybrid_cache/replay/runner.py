@@ -150,9 +150,12 @@ def load_workload(args) -> tuple[Workload, object]:
 def placement_from_args(args) -> PlacementConfig:
     """The core's placement with the exported ATOM_* placement settings
     (ATOM_STATE_CHECKPOINT_SPAN, ...), then the command's flags. A vLLM
-    server differs in one default: with ATOM_STATE_CHECKPOINT_COLD unset it
+    server differs in two defaults: with ATOM_STATE_CHECKPOINT_COLD unset it
     keeps a cold ladder (`config.SERVER_COLD_FRACTIONS`), which the core's
-    own state slots lose with; export the variable to replay it."""
+    own state slots lose with; export the variable to replay it. Its floor
+    states (`config.SERVER_FLOOR_FRACTIONS`) hold pages of vLLM's shared
+    pool; the core's manager keeps states in slots by tier and does not
+    read ATOM_STATE_CHECKPOINT_FLOOR."""
     p = engine_config().placement
     if getattr(args, "interval", None) is not None:
         p = dataclasses.replace(p, interval_tokens=args.interval)

@@ -15,8 +15,10 @@ attention-only model). It overrides three scheduler steps and nothing else:
 - `_free_request_blocks`: a freed request's pages go back to the shared LRU
   in our order (see `CheckpointPlanner.eviction_order`), and the earlier
   checkpoints of the prefix it resumed on are refreshed with it;
-- `schedule`: counts each admission for the stats lines; with
-  `ATOM_ADMISSION_ORDER=hits-first` it first puts the waiting requests that
+- `schedule`: counts each admission for the stats lines; first the
+  waiting requests vLLM could admit take their floor states (see
+  `FloorStates`; they go back with the request's pages); with
+  `ATOM_ADMISSION_ORDER=hits-first` it then puts the waiting requests that
   can resume on a cached prefix ahead of those that cannot (see
   `admission_order.order_waiting`); with `ATOM_ADMISSION_GATE=on` it holds those whose
   prefill would evict the prefixes of the others (see `AdmissionGate`).
@@ -39,6 +41,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, engine_config, server_config
 from .admission_gate import AdmissionGate
 from .admission_order import order_waiting
+from .floor_states import FloorStates
 from .metrics_connector import CONNECTOR_NAME, AtomStatsConnector
 from .planner import CheckpointPlanner, FreedState, KVPages
 from .state_manager import AtomStateManager
@@ -68,10 +71,12 @@ def kv_prefix_tokens(pool, kv_groups, request, hash_unit: int, hit: int = 0) -> 
 class AtomSchedulerMixin:
     _atom: Optional[CheckpointPlanner] = None
     _atom_gate: Optional[AdmissionGate] = None
+    _atom_floors: Optional[FloorStates] = None
 
     def _atom_setup(self) -> None:
         self._atom = None
         self._atom_gate = None
+        self._atom_floors = None
         # the server's defaults, then the exported ATOM_* variables, then this
         # engine's --additional-config
         extra = self.vllm_config.additional_config
@@ -135,6 +140,9 @@ class AtomSchedulerMixin:
                                         self.hash_block_size, block_size)
         # [(group id, block size)] of the attention groups
         self._atom_kv_groups = kv_groups
+        if planner.placement.floor_fractions and planner.reuse_aware:
+            self._atom_floors = FloorStates(self.kv_cache_manager.block_pool, self._atom_states,
+                                            planner.placement.floor_fractions, num_blocks)
         logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
                     "tokens, hash unit %d, pool %d blocks; checkpoints %s; admission order %s; "
                     "admission gate %s; placement %s",
@@ -186,6 +194,9 @@ class AtomSchedulerMixin:
     def schedule(self, *args, **kwargs):
         gate = self._atom_gate
         hits = {} if gate is not None else None
+        if self._atom_floors is not None:
+            # before the gate counts the free pages: a floor is not free
+            self._atom_floors.hold_window(self)
         if self._atom is not None and self._atom_hits_first:
             order_waiting(self, self._atom_passed_over, hits)
         gated = gate.open(self, hits) if gate is not None else None
@@ -248,6 +259,7 @@ class AtomSchedulerMixin:
         self._atom_passed_over.pop(rid, None)
         self._atom_anchor_pending.discard(rid)
         anchor = self._atom_anchors.pop(rid, None)
+        floors = self._atom_floors.release(rid) if self._atom_floors is not None else ()
         H = self.hash_block_size
         prefix = request.block_hashes[:request.num_computed_tokens // H]
         if not planner.reuse_aware:
@@ -292,6 +304,15 @@ class AtomSchedulerMixin:
                     states.append(FreedState(b, pos, True))
             if pos not in kept:
                 kept.append(pos)
+        for pos, pages in floors:
+            # held since the request entered the admission window: they go
+            # back in its units, below the KV they insure
+            for b in pages:
+                if b.block_id in held:
+                    pool.free_blocks([b])
+                else:
+                    held.add(b.block_id)
+                    states.append(FreedState(b, pos, True))
         states += self._refreshed_states(request, held)
         # vLLM keeps the prompt-end state in a page of its own (a copy of
         # the state at the prefill's last hash boundary), not in the block

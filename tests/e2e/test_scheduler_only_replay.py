@@ -10,8 +10,8 @@ test pins that claim against the figures the model runs pin in
 ``test_scaled_trace_replay_plugin.py`` (the plan's scaled workload,
 32-token blocks), and against the hits-first figure of BENCHMARKS.md; it
 also pins the plan's workload at full length, which only this replay can
-run here (native, the plugin, the plugin without its cold ladder and with
-span checkpoints). A
+run here (native, the plugin, the plugin without its floor states, without
+its cold ladder and with span checkpoints). A
 replay that mis-states a hit, or runs the scheduler in another order than
 the engine does, moves these totals.
 """
@@ -24,7 +24,7 @@ POOL_MULTIPLE = 0.83
 
 # the same figures as the model runs (see the module docstring)
 ELIDED_CACHED = {"native-pmu64": 13_760, "plugin": 15_808, "plugin-hits-first": 17_536}
-SCALED_CACHED = {"native": 702_944, "plugin": 782_368}
+SCALED_CACHED = {"native": 702_944, "plugin": 783_904}
 
 
 @pytest.fixture
@@ -70,7 +70,8 @@ def test_scaled_workload_matches_the_model_runs(pressure_bench, plugin_env, vllm
 
 # ATOM_ADMISSION_GATE=on (BENCHMARKS.md, "The admission gate"): the plugin and
 # the attention-only control under AtomScheduler with the gate
-SCALED_GATED = {"attention-control-gated": 847_008, "plugin-gated": 809_536}
+# (the plugin's 809,536 before the server's floor states)
+SCALED_GATED = {"attention-control-gated": 847_008, "plugin-gated": 804_736}
 
 
 def test_the_admission_gate_on_the_scaled_workload(pressure_bench, plugin_env, vllm_cpu_env,
@@ -85,13 +86,15 @@ def test_the_admission_gate_on_the_scaled_workload(pressure_bench, plugin_env, v
 
 # The plan's 14 traces at full length (BENCHMARKS.md, "The plan's 14 traces at
 # full length"): 128-token blocks, 4 conversations in flight, 0.83x
-FULL_LENGTH_CACHED = {"native": 5_621_888, "plugin": 6_270_656}
-# the same plugin without the server's cold ladder (ATOM_STATE_CHECKPOINT_COLD=,
-# the default before 2026-12-01), and with ATOM_STATE_CHECKPOINT_SPAN=0.5,0.875
-# (whose positions in a cold prompt are the cold ladder's: the same figure
-# with the ladder off)
-FULL_LENGTH_NO_COLD_CACHED = 6_208_832
-FULL_LENGTH_SPAN_CACHED = 6_331_456
+FULL_LENGTH_CACHED = {"native": 5_621_888, "plugin": 6_475_264}
+# the same plugin without the server's floor states (ATOM_STATE_CHECKPOINT_FLOOR=,
+# the default before 2026-12-01: 0.9109 of the oracle against 0.9406), without
+# its cold ladder (ATOM_STATE_CHECKPOINT_COLD=), and with
+# ATOM_STATE_CHECKPOINT_SPAN=0.5,0.875 (whose positions in a cold prompt are the
+# cold ladder's)
+FULL_LENGTH_NO_FLOOR_CACHED = 6_270_656
+FULL_LENGTH_NO_COLD_CACHED = 6_277_632
+FULL_LENGTH_SPAN_CACHED = 6_463_808
 
 
 def test_the_plan_workload_at_full_length(pressure_bench, plugin_env, vllm_cpu_env,
@@ -107,6 +110,7 @@ def test_the_plan_workload_at_full_length(pressure_bench, plugin_env, vllm_cpu_e
                                 scheduler_only=True)["cached"])
 
     assert {p: cached(p) for p in FULL_LENGTH_CACHED} == FULL_LENGTH_CACHED
+    assert cached("plugin-no-floor") == FULL_LENGTH_NO_FLOOR_CACHED
     assert cached("plugin-no-cold") == FULL_LENGTH_NO_COLD_CACHED
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_SPAN", "0.5,0.875")
     assert cached("plugin") == FULL_LENGTH_SPAN_CACHED

@@ -31,6 +31,7 @@ def make_plugin_scheduler(monkeypatch):
     # ladder would add states to every first prompt (test_cold_ladder.py
     # serves it; a test unsets this before make() to get it).
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_COLD", "")
+    monkeypatch.setenv("ATOM_STATE_CHECKPOINT_FLOOR", "")
 
     def make(budget_gib: float = 2.5):
         built = SB.build_configs(policy, concurrency=2, budget_bytes=int(budget_gib * SB.GIB),
