@@ -91,6 +91,13 @@ class FloorStates:
         self.holds += bool(found)
         self.held[request.request_id] = found
 
+    def release_all_but(self, keep) -> None:
+        """Give back the floors of every request not in `keep` (request ids)
+        and forget them: they are looked up again when next in the window."""
+        for rid in [r for r in self.held if r not in keep]:
+            for _, pages in self.release(rid):
+                self.pool.free_blocks(pages)
+
     def release(self, request_id: str) -> list:
         """[(position, pages)] the request held, whose references the
         caller gives back (with the request's pages)."""

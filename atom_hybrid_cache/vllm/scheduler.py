@@ -5,7 +5,8 @@ With the plugin enabled, vLLM builds it when `--scheduler-cls` is unset
 `registration.default_scheduler_class`); `--scheduler-cls
 atom_hybrid_cache.vllm.scheduler.AtomScheduler` names it explicitly, and
 also selects it where the plugin is not enabled (the admission gate for an
-attention-only model). It overrides three scheduler steps and nothing else:
+attention-only model). It overrides three scheduler steps, and the prefix
+cache reset (see `reset_prefix_cache`), and nothing else:
 
 - `_mamba_block_aligned_split`: where the GDN layers cannot write states
   from inside a forward (see `AtomGDNSpec.interior_checkpoints`), a forward
@@ -249,6 +250,15 @@ class AtomSchedulerMixin:
         before the prompt's last token."""
         H = self.hash_block_size
         return (request.num_prompt_tokens - 1) // H * H
+
+    def reset_prefix_cache(self, *args, **kwargs) -> bool:
+        """vLLM's reset needs every page free; the floors of waiting requests
+        are references no preemption gives back, so they go first (those
+        of running requests go with their preemption, or keep the reset
+        failing as the requests themselves do)."""
+        if self._atom_floors is not None:
+            self._atom_floors.release_all_but({r.request_id for r in self.running})
+        return super().reset_prefix_cache(*args, **kwargs)
 
     # -- release ---------------------------------------------------------
     def _free_request_blocks(self, request) -> None:

@@ -129,3 +129,35 @@ def test_floors_stay_under_their_share_of_the_pool(make_plugin_scheduler, monkey
     said = [r.getMessage() for r in caplog.records if "floor states fill" in r.getMessage()]
     assert said == ["atom_hybrid_cache: floor states fill their share of the pool (2 pages); "
                     "requests beyond it hold none (see ATOM_STATE_CHECKPOINT_FLOOR)"]
+
+
+def test_a_prefix_cache_reset_gives_waiting_requests_floors_back(make_plugin_scheduler,
+                                                                 monkeypatch):
+    # vLLM's reset (an RL weight update, `/reset_prefix_cache`) needs every
+    # page free: before this, the floors of a waiting request made
+    # reset_prefix_cache(reset_running_requests=True) raise
+    monkeypatch.delenv("ATOM_STATE_CHECKPOINT_FLOOR")
+    sched, submit, step = make_plugin_scheduler(ROOMY_GIB)
+    rng = random.Random(9)
+    conv = [rng.randrange(1, 30000) for _ in range(PAGE * 22)]
+    submit("first", conv + [1], 2)
+    while sched.requests:
+        step()
+    # a long cold prefill takes each step's 8,192-token budget, so the next
+    # turn waits in the window, holding its floor
+    submit("cold", [rng.randrange(1, 30000) for _ in range(PAGE * 60)], 2)
+    step()
+    submit("next", conv + [rng.randrange(1, 30000) for _ in range(PAGE * 30)], 2)
+    step()
+    assert [r.request_id for r in sched.running] == ["cold"]
+    assert [pos for pos, _ in sched._atom_floors.held["next"]] == [9856]
+    assert sched.reset_prefix_cache(reset_running_requests=True) is True
+    assert sched._atom_floors.held == {} and sched._atom_floors.held_pages == 0
+    # the queue goes on: both finish (the cold prompt resumes from its
+    # preemption, not as a new request), the next turn now from 0
+    resumed = {}
+    while sched.requests:
+        resumed.update(step())
+    assert resumed == {"next": 0}
+    pool = sched.kv_cache_manager.block_pool
+    assert [b.block_id for b in pool.blocks if b.ref_cnt and not b.is_null] == []
