@@ -63,24 +63,19 @@ def test_a_server_differs_from_the_core_in_three_defaults():
     assert dataclasses.replace(server, stats_log_interval=0, placement=placement) == core
 
 
-def test_floor_settings_empty_given_or_bad():
-    cfg = engine_config(None, server_config(), environ={"ATOM_STATE_CHECKPOINT_FLOOR": ""})
-    assert cfg.placement.floor_fractions == ()
-    cfg = engine_config({ADDITIONAL_CONFIG_KEY: {"ATOM_STATE_CHECKPOINT_FLOOR": [0.5]}},
-                        server_config(), environ={})
-    assert cfg.placement.floor_fractions == (0.5,)
-    assert engine_config(environ={}).placement.floor_fractions == ()
-    with pytest.raises(ConfigError) as e:
-        engine_config(None, server_config(), environ={"ATOM_STATE_CHECKPOINT_FLOOR": "0.5,1.5"})
-    assert "state_checkpoint_floor fractions must be in (0, 1), got 1.5" in str(e.value)
-    assert "ATOM_STATE_CHECKPOINT_FLOOR" in str(e.value)
-
-
-def test_an_empty_cold_setting_turns_the_server_ladder_off():
-    cfg = engine_config(None, server_config(), environ={"ATOM_STATE_CHECKPOINT_COLD": ""})
-    assert cfg.placement.cold_fractions == ()
-    cfg = engine_config({ADDITIONAL_CONFIG_KEY: {"ATOM_STATE_CHECKPOINT_COLD": [0.875]}},
-                        server_config(), environ={})
-    assert cfg.placement.cold_fractions == (0.875,)
+@pytest.mark.parametrize("var,field,given", [
+    ("ATOM_STATE_CHECKPOINT_COLD", "cold_fractions", 0.875),
+    ("ATOM_STATE_CHECKPOINT_FLOOR", "floor_fractions", 0.5),
+])
+def test_a_server_default_fraction_list_empty_given_or_bad(var, field, given):
+    cfg = engine_config(None, server_config(), environ={var: ""})
+    assert getattr(cfg.placement, field) == ()
+    cfg = engine_config({ADDITIONAL_CONFIG_KEY: {var: [given]}}, server_config(), environ={})
+    assert getattr(cfg.placement, field) == (given,)
     # the replay planner's placement (the core's) has none unless exported
-    assert engine_config(environ={}).placement.cold_fractions == ()
+    assert getattr(engine_config(environ={}).placement, field) == ()
+    with pytest.raises(ConfigError) as e:
+        engine_config(None, server_config(), environ={var: "0.5,1.5"})
+    assert (f"{var.removeprefix('ATOM_').lower()} fractions must be in (0, 1), got 1.5"
+            in str(e.value))
+    assert var in str(e.value)

@@ -303,26 +303,15 @@ class AtomSchedulerMixin:
                 else:
                     states.append(FreedState(b, 0, False))
         if anchor is not None:
-            # the prompt-end state this request held: our reference goes
-            # back with the request's pages, in its unit
+            # the prompt-end state this request held goes back with its pages
             pos, pages = anchor
-            for b in pages:
-                if b.block_id in held:   # also still in the block table
-                    pool.free_blocks([b])   # ours only: vLLM's reference stays
-                else:
-                    held.add(b.block_id)
-                    states.append(FreedState(b, pos, True))
+            states += self._held_states_back(pos, pages, held)
             if pos not in kept:
                 kept.append(pos)
         for pos, pages in floors:
             # held since the request entered the admission window: they go
             # back in its units, below the KV they insure
-            for b in pages:
-                if b.block_id in held:
-                    pool.free_blocks([b])
-                else:
-                    held.add(b.block_id)
-                    states.append(FreedState(b, pos, True))
+            states += self._held_states_back(pos, pages, held)
         states += self._refreshed_states(request, held)
         # vLLM keeps the prompt-end state in a page of its own (a copy of
         # the state at the prefill's last hash boundary), not in the block
@@ -338,6 +327,20 @@ class AtomSchedulerMixin:
         else:
             # drained in reverse (see Scheduler._drain_deferred_frees)
             self.deferred_frees.append((self.sched_step_seq, order[::-1]))
+
+    def _held_states_back(self, pos: int, pages, held: set) -> list[FreedState]:
+        """A state we held a reference on (the prompt-end anchor, a floor),
+        given back with the freed request's pages, in its unit. A page still
+        in its block table (`held`) only loses our reference: vLLM's goes
+        back with the table."""
+        out = []
+        for b in pages:
+            if b.block_id in held:
+                self.kv_cache_manager.block_pool.free_blocks([b])
+            else:
+                held.add(b.block_id)
+                out.append(FreedState(b, pos, True))
+        return out
 
     def _refreshed_states(self, request, held: set) -> list[FreedState]:
         """A few states other requests left on this prefix, taken back so

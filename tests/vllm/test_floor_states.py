@@ -95,19 +95,32 @@ def test_floors_are_given_back_and_no_reference_leaks(make_plugin_scheduler, mon
     sched, _, _ = _run(make_plugin_scheduler, monkeypatch, None)
     floors = sched._atom_floors
     assert floors.held == {} and floors.held_pages == 0
+    assert _referenced_pages(sched) == []
     pool = sched.kv_cache_manager.block_pool
-    assert [b.block_id for b in pool.blocks if b.ref_cnt and not b.is_null] == []
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1   # all but the null block
 
 
-def test_an_aborted_request_gives_its_floors_back(make_plugin_scheduler, monkeypatch):
+def _after_one_turn(make_plugin_scheduler, monkeypatch, seed):
+    """A roomy scheduler with the default floors that has served one turn
+    of 9,857 tokens (its end state at 9,856): (scheduler, submit, step,
+    rng, the turn's tokens)."""
     monkeypatch.delenv("ATOM_STATE_CHECKPOINT_FLOOR")
     sched, submit, step = make_plugin_scheduler(ROOMY_GIB)
-    rng = random.Random(7)
+    rng = random.Random(seed)
     conv = [rng.randrange(1, 30000) for _ in range(PAGE * 22)]
     submit("first", conv + [1], 2)
     while sched.requests:
         step()
+    return sched, submit, step, rng, conv
+
+
+def _referenced_pages(sched) -> list:
+    return [b.block_id for b in sched.kv_cache_manager.block_pool.blocks
+            if b.ref_cnt and not b.is_null]
+
+
+def test_an_aborted_request_gives_its_floors_back(make_plugin_scheduler, monkeypatch):
+    sched, submit, step, rng, conv = _after_one_turn(make_plugin_scheduler, monkeypatch, 7)
     submit("next", conv + [rng.randrange(1, 30000) for _ in range(PAGE * 30)], 50)
     step()
     floors = sched._atom_floors
@@ -115,8 +128,7 @@ def test_an_aborted_request_gives_its_floors_back(make_plugin_scheduler, monkeyp
     assert floors.held_pages == 3           # one page in each of the 3 state groups
     sched.finish_requests("next", RequestStatus.FINISHED_ABORTED)
     assert floors.held == {} and floors.held_pages == 0
-    pool = sched.kv_cache_manager.block_pool
-    assert [b.block_id for b in pool.blocks if b.ref_cnt and not b.is_null] == []
+    assert _referenced_pages(sched) == []
 
 
 def test_floors_stay_under_their_share_of_the_pool(make_plugin_scheduler, monkeypatch, caplog):
@@ -136,13 +148,7 @@ def test_a_prefix_cache_reset_gives_waiting_requests_floors_back(make_plugin_sch
     # vLLM's reset (an RL weight update, `/reset_prefix_cache`) needs every
     # page free: before this, the floors of a waiting request made
     # reset_prefix_cache(reset_running_requests=True) raise
-    monkeypatch.delenv("ATOM_STATE_CHECKPOINT_FLOOR")
-    sched, submit, step = make_plugin_scheduler(ROOMY_GIB)
-    rng = random.Random(9)
-    conv = [rng.randrange(1, 30000) for _ in range(PAGE * 22)]
-    submit("first", conv + [1], 2)
-    while sched.requests:
-        step()
+    sched, submit, step, rng, conv = _after_one_turn(make_plugin_scheduler, monkeypatch, 9)
     # a long cold prefill takes each step's 8,192-token budget, so the next
     # turn waits in the window, holding its floor
     submit("cold", [rng.randrange(1, 30000) for _ in range(PAGE * 60)], 2)
@@ -159,5 +165,4 @@ def test_a_prefix_cache_reset_gives_waiting_requests_floors_back(make_plugin_sch
     while sched.requests:
         resumed.update(step())
     assert resumed == {"next": 0}
-    pool = sched.kv_cache_manager.block_pool
-    assert [b.block_id for b in pool.blocks if b.ref_cnt and not b.is_null] == []
+    assert _referenced_pages(sched) == []
