@@ -15,7 +15,7 @@ from typing import Callable, Mapping, Optional
 EVICTION_POLICIES = ("reuse-aware", "lru")
 INTERIOR_CHECKPOINT_MODES = ("off", "on")
 ADMISSION_ORDERS = ("arrival", "hits-first")
-ADMISSION_GATE_MODES = ("off", "on")
+ADMISSION_GATE_MODES = ("off", "on", "auto")
 # Steps the admission gate may hold a request before it goes through like
 # any other (see atom_hybrid_cache/vllm/admission_gate.py).
 ADMISSION_GATE_MAX_HOLD_STEPS = 32
@@ -45,7 +45,7 @@ SERVER_STATS_LOG_INTERVAL = 100
 # saves them. In vLLM's shared page
 # pool these states gained on every workload set measured, with room and
 # under pressure (pools too small to afford them go without:
-# core.placement.COLD_MIN_POOL_CHECKPOINTS); in the core's own state slots
+# core.placement.MIN_POOL_CHECKPOINTS); in the core's own state slots
 # (the replay planner) they cost other checkpoints their slots, so the
 # core's default stays off (BENCHMARKS.md, "The cold ladder").
 SERVER_COLD_FRACTIONS = (0.5, 0.875)
@@ -54,6 +54,19 @@ SERVER_COLD_FRACTIONS = (0.5, 0.875)
 # ATOM_STATE_CHECKPOINT_FLOOR is unset (`PlacementConfig.floor_fractions`,
 # atom_hybrid_cache/vllm/floor_states.py).
 SERVER_FLOOR_FRACTIONS = (0.25, 0.5)
+
+# The admission gate in a vLLM server when ATOM_ADMISSION_GATE is unset
+# (`CacheConfig.admission_gate`, atom_hybrid_cache/vllm/admission_gate.py).
+# vLLM's admission lets the first requests of a round that does not fit
+# evict the cached prefixes of the requests waiting behind them; without
+# the gate the plugin kept no more than an attention-only model under the
+# same admission (0.941 against 0.940 of the oracle on the plan's traces at
+# 0.83x the live working set). "auto": on, except in a pool under
+# core.placement.MIN_POOL_CHECKPOINTS checkpoints' worth (the two such pools
+# measured lost with it) and for a model without state groups. It gained
+# under pressure on every larger workload measured and holds a request in
+# 32 steps at most (BENCHMARKS.md, "The admission gate by default").
+SERVER_ADMISSION_GATE = "auto"
 
 
 class ConfigError(ValueError):
@@ -133,7 +146,7 @@ class CacheConfig:
     successor_room: int = 1
     # how many tokens of KV one state checkpoint's bytes would hold (the
     # replay planner's geometry gives it; 0: unknown): the cold ladder needs
-    # a pool of many (placement.COLD_MIN_POOL_CHECKPOINTS) and states that
+    # a pool of many (placement.MIN_POOL_CHECKPOINTS) and states that
     # can save a few (placement.COLD_MIN_SAVING)
     checkpoint_kv_tokens: int = 0
     interior_states_readable: bool = False
@@ -145,7 +158,8 @@ class CacheConfig:
     # cached prefix first (largest hit first); "arrival" keeps vLLM's order
     admission_order: str = "arrival"
     # vLLM plugin: "on" holds a waiting request whose prefill would evict the
-    # cached prefixes of the requests waiting with it (see AdmissionGate)
+    # cached prefixes of the requests waiting with it (see AdmissionGate);
+    # a vLLM server defaults to SERVER_ADMISSION_GATE
     admission_gate: str = "off"
     stats_log_interval: int = 0
     strict_stats: bool = False
@@ -323,7 +337,8 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "on: a waiting request whose prefill would evict the cached prefixes of the requests "
         f"waiting with it waits for the running ones to finish ({ADMISSION_GATE_MAX_HOLD_STEPS} "
         "steps at most), and those prefixes cannot be evicted while a step is scheduled; off: "
-        "vLLM's admission"),
+        "vLLM's admission; auto (a vLLM server's default): on for a hybrid model whose KV pool "
+        "holds at least 100 checkpoints' worth, off otherwise"),
     "ATOM_STATS_LOG_INTERVAL": (
         "cache", "stats_log_interval", _parse_int,
         "print the cache log lines every N admissions (0: never)"),
@@ -379,8 +394,10 @@ def server_config() -> CacheConfig:
     """The defaults of a vLLM server with the plugin, before its ATOM_*
     settings: the core's, with stats reported every
     SERVER_STATS_LOG_INTERVAL admissions, the cold ladder
-    SERVER_COLD_FRACTIONS and the floor states SERVER_FLOOR_FRACTIONS."""
+    SERVER_COLD_FRACTIONS, the floor states SERVER_FLOOR_FRACTIONS and the
+    admission gate SERVER_ADMISSION_GATE."""
     return CacheConfig(stats_log_interval=SERVER_STATS_LOG_INTERVAL,
+                       admission_gate=SERVER_ADMISSION_GATE,
                        placement=PlacementConfig(cold_fractions=SERVER_COLD_FRACTIONS,
                                                  floor_fractions=SERVER_FLOOR_FRACTIONS))
 

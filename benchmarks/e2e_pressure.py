@@ -13,8 +13,13 @@ instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
 ``plugin-no-cold`` and ``plugin-no-cold-gated-hits-first`` run without the
 server's cold ladder (``ATOM_STATE_CHECKPOINT_COLD=``), beside the policies
 with it; ``plugin-no-floor`` and ``plugin-no-floor-gated-hits-first`` without
-its floor states (``ATOM_STATE_CHECKPOINT_FLOOR=``). ``plugin-gated`` adds ``ATOM_ADMISSION_GATE=on``, ``plugin-gated-hits-first``
-both admission settings; ``attention-control-gated`` is the attention-only
+its floor states (``ATOM_STATE_CHECKPOINT_FLOOR=``). The server's admission
+gate is ``auto`` by default (2026-12-01, later: on in a pool of at least 100
+checkpoints' worth): ``plugin-gated`` sets ``ATOM_ADMISSION_GATE=on``,
+``plugin-ungated`` and
+``plugin-ungated-hits-first`` switch it off (vLLM's admission, the default
+before), ``plugin-gated-hits-first`` both admission settings;
+``attention-control-gated`` is the attention-only
 control under ``AtomScheduler`` with the same gate (no plugin otherwise).
 ``plugin-zeroed-states`` is the plugin with every GDN state page zeroed
 between rounds (only when named): the sabotage that shows what a wrong
@@ -195,6 +200,7 @@ DEFAULT_TRACE_DIR = (REPO / ".." / "shared" / "traces" / "cc-traces").resolve()
 # (several turns each at 2000 tokens), so the run fits a 2-core machine.
 DEFAULT_TRACES = ["trace_0556", "trace_0732", "trace_0612", "trace_0460"]
 PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-gated", "plugin-gated-hits-first",
+                   "plugin-ungated", "plugin-ungated-hits-first",
                    "plugin-interior", "plugin-interior-hits-first", "plugin-zeroed-states",
                    "plugin-no-cold", "plugin-no-cold-gated-hits-first",
                    "plugin-no-floor", "plugin-no-floor-gated-hits-first"]
@@ -451,7 +457,7 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
         for var, value in (("ATOM_INTERIOR_CHECKPOINTS", "on" if "interior" in policy else None),
                            ("ATOM_ADMISSION_ORDER",
                             "hits-first" if policy.endswith("hits-first") else None),
-                           ("ATOM_ADMISSION_GATE", "on" if "gated" in policy else None)):
+                           ("ATOM_ADMISSION_GATE", _gate_setting(policy))):
             if value is None:
                 os.environ.pop(var, None)
             else:
@@ -469,6 +475,14 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
                 os.environ[var] = exported
         return {**fine_unit, "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     raise ValueError(f"unknown policy {policy!r}")
+
+
+def _gate_setting(policy: str) -> str | None:
+    """ATOM_ADMISSION_GATE for a plugin policy: `-ungated` switches the
+    server's gate off, `-gated` on; otherwise the server's default (auto)."""
+    if "ungated" in policy:
+        return "off"
+    return "on" if "gated" in policy else None
 
 
 def enable_plugin() -> None:

@@ -190,6 +190,10 @@ POLICIES: dict[str, Policy] = {
     "plugin-gated-hits-first": Policy("plugin-gated-hits-first", 64, 64, plugin=True,
                                       env=(("ATOM_ADMISSION_GATE", "on"),
                                            ("ATOM_ADMISSION_ORDER", "hits-first"))),
+    # vLLM's admission: the server's admission gate switched off (its
+    # default before 2026-12-01, later)
+    "plugin-ungated": Policy("plugin-ungated", 64, 64, plugin=True,
+                             env=(("ATOM_ADMISSION_GATE", "off"),)),
     # without the server's floor states, beside the policies with them
     "plugin-no-floor": Policy("plugin-no-floor", 64, 64, plugin=True,
                               env=(("ATOM_STATE_CHECKPOINT_FLOOR", ""),)),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from atom_hybrid_cache.config import (ADDITIONAL_CONFIG_KEY, SERVER_COLD_FRACTIONS,
+from atom_hybrid_cache.config import (ADDITIONAL_CONFIG_KEY, SERVER_ADMISSION_GATE, SERVER_COLD_FRACTIONS,
                                       SERVER_FLOOR_FRACTIONS, SERVER_STATS_LOG_INTERVAL, CacheConfig, ConfigError,
                                       apply_env, engine_config, engine_settings, server_config)
 
@@ -35,7 +35,7 @@ def test_additional_config_wins_and_takes_json_types():
 
 @pytest.mark.parametrize("ours,message", [
     ({"ATOM_ADMISSION_GATE": "maybe"},
-     "ATOM_ADMISSION_GATE='maybe' must be one of off, on (from --additional-config "
+     "ATOM_ADMISSION_GATE='maybe' must be one of off, on, auto (from --additional-config "
      "atom_hybrid_cache)"),
     ({"ATOM_STATE_CHECKPOINT_INTERVALL_TOKENS": 4096},
      "unknown setting --additional-config atom_hybrid_cache.ATOM_STATE_CHECKPOINT_INTERVALL_TOKENS"),
@@ -50,17 +50,37 @@ def test_a_bad_entry_names_the_setting_and_where_it_came_from(ours, message):
     assert message in str(e.value)
 
 
-def test_a_server_differs_from_the_core_in_three_defaults():
+def test_a_server_differs_from_the_core_in_four_defaults():
     server, core = server_config(), CacheConfig()
     assert server.placement.cold_fractions == SERVER_COLD_FRACTIONS == (0.5, 0.875)
     assert server.placement.floor_fractions == SERVER_FLOOR_FRACTIONS == (0.25, 0.5)
     assert server.stats_log_interval == SERVER_STATS_LOG_INTERVAL == 100
+    assert server.admission_gate == SERVER_ADMISSION_GATE == "auto"
     assert core.placement.cold_fractions == () and core.placement.floor_fractions == ()
-    assert core.stats_log_interval == 0
+    assert core.stats_log_interval == 0 and core.admission_gate == "off"
     import dataclasses
     placement = dataclasses.replace(server.placement, cold_fractions=(), floor_fractions=())
     assert placement == core.placement
-    assert dataclasses.replace(server, stats_log_interval=0, placement=placement) == core
+    assert dataclasses.replace(server, stats_log_interval=0, admission_gate="off",
+                               placement=placement) == core
+
+
+def test_the_server_gate_is_set_by_variable_or_additional_config():
+    assert engine_config(None, server_config(), environ={}).admission_gate == "auto"
+    assert engine_config(None, server_config(),
+                         environ={"ATOM_ADMISSION_GATE": "on"}).admission_gate == "on"
+    assert engine_config(None, server_config(),
+                         environ={"ATOM_ADMISSION_GATE": "off"}).admission_gate == "off"
+    assert engine_config({ADDITIONAL_CONFIG_KEY: {"ATOM_ADMISSION_GATE": "off"}}, server_config(),
+                         environ={}).admission_gate == "off"
+    # the replay planner's config (the core's) has no gate to switch
+    assert engine_config(environ={}).admission_gate == "off"
+
+
+def test_the_gate_help_names_the_pool_minimum():
+    from atom_hybrid_cache.config import ENV_VARS
+    from atom_hybrid_cache.core.placement import MIN_POOL_CHECKPOINTS
+    assert f"at least {MIN_POOL_CHECKPOINTS} checkpoints' worth" in ENV_VARS["ATOM_ADMISSION_GATE"][3]
 
 
 @pytest.mark.parametrize("var,field,given", [

@@ -129,18 +129,25 @@ COLD_MIN_SAVING = 4
 # checkpoints' worth of KV than this runs without them: on the measured
 # pools of 21 and 30 (63 pages for 4 conversations, 91 for 2) the ladder
 # cost a fifth to a third of their hits; from 150 up (every other workload
-# measured) it gained on average.
-COLD_MIN_POOL_CHECKPOINTS = 100
+# measured) it gained on average. The admission gate's default (`auto`)
+# follows the same line: it lost 7% and 18% of the hits on those two pools,
+# and gained under pressure on every workload from 199 up.
+MIN_POOL_CHECKPOINTS = 100
+
+
+def pool_under_minimum(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> bool:
+    """Whether a pool of `pool_kv_tokens` tokens of KV holds fewer than
+    MIN_POOL_CHECKPOINTS checkpoints of `checkpoint_kv_tokens` (0: unknown,
+    never under)."""
+    return bool(checkpoint_kv_tokens) and (
+        pool_kv_tokens < MIN_POOL_CHECKPOINTS * checkpoint_kv_tokens)
 
 
 def affordable_cold_fractions(fractions: tuple, pool_kv_tokens: int,
                               checkpoint_kv_tokens: int) -> tuple:
-    """`fractions`, or () where a pool of `pool_kv_tokens` tokens of KV holds
-    fewer than COLD_MIN_POOL_CHECKPOINTS checkpoints of
-    `checkpoint_kv_tokens` (0: unknown, no limit)."""
-    if checkpoint_kv_tokens and pool_kv_tokens < COLD_MIN_POOL_CHECKPOINTS * checkpoint_kv_tokens:
-        return ()
-    return fractions
+    """`fractions`, or () where the pool is under the minimum
+    (`pool_under_minimum`)."""
+    return () if pool_under_minimum(pool_kv_tokens, checkpoint_kv_tokens) else fractions
 
 
 def placement_for_pool(placement, pool_kv_tokens: int, checkpoint_kv_tokens: int,
@@ -156,7 +163,7 @@ def placement_for_pool(placement, pool_kv_tokens: int, checkpoint_kv_tokens: int
         return placement
     warn(f"{' and '.join(dropped)} off: the KV pool ({pool_kv_tokens:,} tokens) holds "
          f"{pool_kv_tokens // checkpoint_kv_tokens} checkpoints' worth, under "
-         f"{COLD_MIN_POOL_CHECKPOINTS}")
+         f"{MIN_POOL_CHECKPOINTS}")
     return dataclasses.replace(placement, cold_fractions=(), floor_fractions=())
 
 

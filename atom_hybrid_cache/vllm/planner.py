@@ -85,6 +85,7 @@ class CheckpointPlanner:
         self.hash_block_size = hash_block_size
         self.kv_share_tokens = kv_share_tokens
         self.checkpoint_kv_tokens = checkpoint_kv_tokens
+        self.pool_kv_tokens = pool_kv_tokens
         self.interval = snap_interval(placement.interval_tokens, block_size, warn)
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"

@@ -21,8 +21,10 @@ cache reset (see `reset_prefix_cache`), and nothing else:
   `FloorStates`; they go back with the request's pages); with
   `ATOM_ADMISSION_ORDER=hits-first` it then puts the waiting requests that
   can resume on a cached prefix ahead of those that cannot (see
-  `admission_order.order_waiting`); with `ATOM_ADMISSION_GATE=on` it holds those whose
-  prefill would evict the prefixes of the others (see `AdmissionGate`).
+  `admission_order.order_waiting`); with the admission gate (a server's
+  default, `ATOM_ADMISSION_GATE=auto`, where the pool is not tiny; or `on`)
+  it holds those whose prefill would evict the prefixes of the others (see
+  `AdmissionGate`).
 
 Without `AtomStateManager` groups (plugin not enabled, a model without GDN
 layers, prefix caching off) it is vLLM's scheduler unchanged, except for the
@@ -40,6 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import ADDITIONAL_CONFIG_KEY, PREFIX_MATCH_UNIT_TOKENS, engine_config, server_config
+from ..core.placement import MIN_POOL_CHECKPOINTS, pool_under_minimum
 from .admission_gate import AdmissionGate
 from .admission_order import order_waiting
 from .floor_states import FloorStates
@@ -85,8 +88,8 @@ class AtomSchedulerMixin:
         if isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY):
             logger.info("atom_hybrid_cache: settings from --additional-config: %s",
                         extra[ADDITIONAL_CONFIG_KEY])
-        if (env_cfg.admission_gate == "on" and self.cache_config.enable_prefix_caching
-                and isinstance(self.waiting, deque)):
+        gate_possible = self.cache_config.enable_prefix_caching and isinstance(self.waiting, deque)
+        if env_cfg.admission_gate == "on" and gate_possible:
             # the gate needs no state groups: it also serves attention-only models
             self._atom_gate = AdmissionGate()
         elif env_cfg.admission_gate == "on":
@@ -124,6 +127,15 @@ class AtomSchedulerMixin:
         for g in state_groups:
             managers[g].attach(planner)
         self._atom = planner
+        if env_cfg.admission_gate == "auto" and gate_possible:
+            if pool_under_minimum(planner.pool_kv_tokens, planner.checkpoint_kv_tokens):
+                logger.warning("atom_hybrid_cache: admission gate off (auto): the KV pool (%s "
+                               "tokens) holds %d checkpoints' worth, under %d",
+                               f"{planner.pool_kv_tokens:,}",
+                               planner.pool_kv_tokens // planner.checkpoint_kv_tokens,
+                               MIN_POOL_CHECKPOINTS)
+            else:
+                self._atom_gate = AdmissionGate()
         connector = getattr(self, "connector", None)
         if isinstance(connector, AtomStatsConnector):
             connector.report(planner.stats)

@@ -9,7 +9,7 @@ of 0.83 x the largest live working set (599 blocks).
 Three engines, each exactly as the benchmark runs it (``run_policy``):
 caching off, the plugin, and the plugin with every GDN state page zeroed
 between rounds. (Native's figure on this workload, 702,944 against the
-plugin's 783,904, is pinned without the model in
+plugin's 804,736, is pinned without the model in
 ``test_scheduler_only_replay.py``: the cached counts do not depend on the
 forward, and a native run here costs minutes of CPU prefill.)
 
@@ -45,8 +45,9 @@ GEOMETRY = "small-block"
 ORACLE_REUSABLE = 860_393
 # 781,152 before the release kept states at the retain fractions, 783,360
 # before the server's cold ladder (config.SERVER_COLD_FRACTIONS), 782,368
-# before its floor states (config.SERVER_FLOOR_FRACTIONS)
-PLUGIN_CACHED = 783_904
+# before its floor states (config.SERVER_FLOOR_FRACTIONS), 783,904 before
+# its admission gate (config.SERVER_ADMISSION_GATE)
+PLUGIN_CACHED = 804_736
 # Caching off's top-2 margin on every output the plugin changes was at most
 # 0.0625 until 2026-11-30. On an AVX-512-BF16 EPYC (2026-12-01) vLLM's own
 # caching (native) changes one where it was 0.234, caching off with half

@@ -45,7 +45,11 @@ POOL_MULTIPLE = 0.83
 # not depend on the weights).
 ORACLE_REUSABLE = 20099
 NATIVE_PMU64_CACHED = 13760
-PLUGIN_CACHED = 15808   # 15,744 before live requests held their prompt-end state
+# 15,744 before live requests held their prompt-end state. The server's
+# admission gate (auto) stays off in this 63-page pool (20 checkpoints'
+# worth): switched on, it holds requests in 12 steps and keeps 14,720
+# (test_scheduler_only_replay.py pins both)
+PLUGIN_CACHED = 15808
 # |logprob - caching off| of an output token: another chunking of the same
 # prompt moves it by up to 0.030 (bf16 activations); a zeroed state by 0.81.
 LOGPROB_TOL = 0.1

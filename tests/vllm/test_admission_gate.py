@@ -69,6 +69,24 @@ def test_the_gate_holds_the_request_that_does_not_fit(make_plugin_scheduler, mon
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
 
 
+def test_a_servers_default_gates_a_pool_of_100_checkpoints_worth_only(make_plugin_scheduler,
+                                                                     monkeypatch, caplog):
+    """ATOM_ADMISSION_GATE unset: `auto`, the server's default. A 10 GiB
+    pool (365 pages, 121 checkpoints' worth) gets the gate; this module's
+    2.5 GiB pool (91 pages, 30), where the gate lost 18% of the scheduler
+    bench sample's hits, does not, and the log says why."""
+    import logging
+    monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
+    big, _, _ = make_plugin_scheduler(10)
+    assert big.kv_cache_manager.block_pool.num_gpu_blocks == 365
+    assert big._atom_gate is not None
+    with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
+        small, _, _ = make_plugin_scheduler()
+    assert small._atom_gate is None
+    assert ("atom_hybrid_cache: admission gate off (auto): the KV pool (40,320 tokens) holds "
+            "30 checkpoints' worth, under 100") in caplog.messages
+
+
 def test_a_request_held_max_hold_steps_times_goes_through(make_plugin_scheduler, monkeypatch):
     from atom_hybrid_cache.vllm import admission_gate
     monkeypatch.setattr(admission_gate, "MAX_HOLD_STEPS", 1)

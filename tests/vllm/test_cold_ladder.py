@@ -7,7 +7,7 @@ besides its end, so a later prompt that keeps only part of it (a compaction
 that keeps the system prompt and tools, a retry) resumes there instead of at
 0. A position under `placement.COLD_MIN_SAVING` checkpoints' worth of KV
 (4 x 1,344 = 5,376 tokens) gets none, and a pool under
-`placement.COLD_MIN_POOL_CHECKPOINTS` checkpoints' worth runs without the
+`placement.MIN_POOL_CHECKPOINTS` checkpoints' worth runs without the
 ladder. `ATOM_STATE_CHECKPOINT_COLD=` (empty) turns it off.
 """
 

@@ -211,8 +211,11 @@ def test_additional_config_sets_the_engines_settings(monkeypatch, caplog):
     pytest.importorskip("vllm")
     monkeypatch.setenv("ATOM_ADMISSION_ORDER", "arrival")
     plain = _plugin_scheduler({})
+    # a server's defaults: the gate auto, so off in this 146-page pool (48
+    # checkpoints' worth, test_admission_gate.py), stats every 100
+    # admissions (the replay's 0)
     assert plain._atom is not None and not plain._atom_hits_first and plain._atom_gate is None
-    assert plain._atom.stats_log_interval == 100       # a server's default, not the replay's 0
+    assert plain._atom.stats_log_interval == 100
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         tuned = _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_ORDER": "hits-first",
                                                          "ATOM_ADMISSION_GATE": "on",
@@ -223,7 +226,7 @@ def test_additional_config_sets_the_engines_settings(monkeypatch, caplog):
     assert tuned._atom.stats_log_interval == 7
     assert any(m.startswith("atom_hybrid_cache: settings from --additional-config: ")
                for m in caplog.messages)
-    with pytest.raises(ConfigError, match=r"ATOM_ADMISSION_GATE='yes' must be one of off, on "
+    with pytest.raises(ConfigError, match=r"ATOM_ADMISSION_GATE='yes' must be one of off, on, auto "
                                           r"\(from --additional-config atom_hybrid_cache\)"):
         _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_GATE": "yes"}})
 
