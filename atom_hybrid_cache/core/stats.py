@@ -47,6 +47,12 @@ class CacheStats:
     resumed_by_kind: dict = field(default_factory=dict)
     cuts_by_kind: dict = field(default_factory=dict)
     written_by_kind: dict = field(default_factory=dict)
+    # vLLM's admission gate (vllm/admission_gate.py): the steps in which it
+    # held a waiting request back, the requests held summed over those
+    # steps, and the most steps one request was held
+    gate_held_steps: int = 0
+    gate_holds: int = 0
+    gate_longest_hold: int = 0
 
     def record_admission(self, prompt_len: int, reusable: int, compressed: int,
                          wanted: int, cached: int) -> None:
@@ -82,6 +88,13 @@ class CacheStats:
 
     def record_write(self, kind: str) -> None:
         self.written_by_kind[kind] = self.written_by_kind.get(kind, 0) + 1
+
+    def record_gate_step(self, steps_held: list) -> None:
+        """One step in which the admission gate held requests back;
+        `steps_held`: for each, the steps it has been held so far."""
+        self.gate_held_steps += 1
+        self.gate_holds += len(steps_held)
+        self.gate_longest_hold = max(self.gate_longest_hold, *steps_held)
 
     # -- derived -------------------------------------------------------
     @property
@@ -146,3 +159,9 @@ def format_stats_lines(stats: CacheStats, fates: dict, num_slots: int,
         "[Pool Pressure] " + " ".join(
             [f"kv_{k}={v}" for k, v in kv.items()] + [f"state_{k}={v}" for k, v in state.items()]),
     ]
+
+
+def format_gate_line(stats: CacheStats) -> str:
+    """The admission gate's log line (a vLLM server with the gate on)."""
+    return (f"[Admission Gate] held_steps={stats.gate_held_steps} holds={stats.gate_holds} "
+            f"longest_hold={stats.gate_longest_hold}")

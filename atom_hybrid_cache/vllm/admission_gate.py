@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import ADMISSION_GATE_MAX_HOLD_STEPS as MAX_HOLD_STEPS
+from ..core.stats import CacheStats
 
 # Pages of each state group an admitted prefill takes: the state it writes
 # and the prompt-end copy vLLM keeps. A running prefill already has the
@@ -73,13 +74,22 @@ class _Candidate:
 
 
 class AdmissionGate:
-    def __init__(self) -> None:
+    def __init__(self, stats: CacheStats | None = None) -> None:
+        """`stats`: where the holds are counted (the planner's, so they reach
+        its log lines and the metrics)."""
         # the previous gated step scheduled nothing: the next one runs ungated
         self._stalled = False
-        self.held_steps = 0
+        self.stats = stats if stats is not None else CacheStats()
         # request id -> steps held, for the requests that can still be held
         self._holds: dict[str, int] = {}
-        self.longest_hold = 0
+
+    @property
+    def held_steps(self) -> int:
+        return self.stats.gate_held_steps
+
+    @property
+    def longest_hold(self) -> int:
+        return self.stats.gate_longest_hold
 
     def open(self, sched, hits: dict | None = None) -> GateStep | None:
         """Decide the step; pins the protected pages and takes the held
@@ -109,11 +119,9 @@ class AdmissionGate:
         step = _decide(sched, candidates, protected, room, overdue)
         kvm.block_pool.touch(step.pinned)
         if step.held:
-            self.held_steps += 1
             for r in step.held:
-                n = self._holds.get(r.request_id, 0) + 1
-                self._holds[r.request_id] = n
-                self.longest_hold = max(self.longest_hold, n)
+                self._holds[r.request_id] = self._holds.get(r.request_id, 0) + 1
+            self.stats.record_gate_step([self._holds[r.request_id] for r in step.held])
             held_ids = {id(r) for r in step.held}
             kept = [r for r in waiting if id(r) not in held_ids]
             waiting.clear()

@@ -58,6 +58,11 @@ COUNTERS = {
     "paged_miss": ("vllm:atom_kv_miss_requests",
                    "Requests whose reusable prefix the KV pool no longer held."),
     "resumed": ("vllm:atom_resumed_requests", "Requests that resumed on a cached prefix."),
+    "gate_held_steps": ("vllm:atom_admission_gate_held_steps",
+                        "Scheduler steps in which the admission gate held a waiting request "
+                        "back."),
+    "gate_holds": ("vllm:atom_admission_gate_holds",
+                   "Waiting requests the admission gate held back, summed over steps."),
 }
 # CacheStats dict field -> (Prometheus name, help, label): counts per kind
 KIND_COUNTERS = {

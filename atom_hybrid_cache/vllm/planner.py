@@ -21,7 +21,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 from ..config import PlacementConfig
 from ..core.placement import (CheckpointTargets, chunk_end, placement_for_pool,
                               plan_checkpoints, snap_interval)
-from ..core.stats import CacheStats, format_stats_lines
+from ..core.stats import CacheStats, format_gate_line, format_stats_lines
 
 logger = logging.getLogger("atom_hybrid_cache")
 
@@ -90,6 +90,8 @@ class CheckpointPlanner:
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"
         self.stats = CacheStats()
+        # the scheduler runs the admission gate: its line joins the stats lines
+        self.gate_on = False
         self.stats_log_interval = stats_log_interval
         # One switch for both gates: with it, chunks are not cut and the
         # state managers give the forward a page at every planned position
@@ -244,5 +246,8 @@ class CheckpointPlanner:
         # vLLM's block pool evicts silently: only reads are known
         fates = dict(kept="n/a", dropped="n/a", evicted="n/a", orphaned="n/a",
                      read=self.stats.resumed)
-        return format_stats_lines(self.stats, fates, 0, {}, {})
+        lines = format_stats_lines(self.stats, fates, 0, {}, {})
+        if self.gate_on:
+            lines.append(format_gate_line(self.stats))
+        return lines
 

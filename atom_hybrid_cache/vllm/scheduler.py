@@ -136,6 +136,11 @@ class AtomSchedulerMixin:
                                MIN_POOL_CHECKPOINTS)
             else:
                 self._atom_gate = AdmissionGate()
+        if self._atom_gate is not None:
+            # the holds are counted with the planner's stats: its log lines
+            # and the metrics report them
+            self._atom_gate.stats = planner.stats
+            planner.gate_on = True
         connector = getattr(self, "connector", None)
         if isinstance(connector, AtomStatsConnector):
             connector.report(planner.stats)

@@ -54,6 +54,7 @@ def test_without_the_gate_the_first_admission_evicts_the_waiting_prefix(
         make_plugin_scheduler, monkeypatch):
     sched, (cached, order) = _serve(make_plugin_scheduler, monkeypatch, "off")
     assert sched._atom_gate is None
+    assert not any(line.startswith("[Admission Gate]") for line in sched._atom.stats_lines())
     assert order == ["a2", "b2"]
     assert cached == {"a2": PROMPT, "b2": 0}
 
@@ -62,8 +63,12 @@ def test_the_gate_holds_the_request_that_does_not_fit(make_plugin_scheduler, mon
     sched, (cached, order) = _serve(make_plugin_scheduler, monkeypatch, "on")
     assert order == ["b2", "a2"]
     assert cached == {"a2": PROMPT, "b2": PROMPT}
-    # a2 was held out of the queue in both steps of b2's prefill
+    # a2 was held out of the queue in both steps of b2's prefill; the
+    # planner's stats count it, and its log lines say so
     assert sched._atom_gate.held_steps == 2
+    stats = sched._atom.stats
+    assert (stats.gate_held_steps, stats.gate_holds, stats.gate_longest_hold) == (2, 2, 2)
+    assert sched._atom.stats_lines()[-1] == "[Admission Gate] held_steps=2 holds=2 longest_hold=2"
     # every page the gate pinned went back: only the null page is referenced
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1

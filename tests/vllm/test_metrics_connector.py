@@ -54,6 +54,26 @@ def test_each_report_carries_what_moved_since_the_last_one():
         "admissions": 1, "prompt_tokens": 600, "written_by_kind": {"backoff": 1}}
 
 
+def test_the_admission_gates_holds_are_counters():
+    stats = CacheStats()
+    conn = _Reporter()
+    conn.report(stats)
+    stats.record_gate_step([1, 1])
+    stats.record_gate_step([2])
+    # the longest hold is no counter: the log line carries it
+    assert conn.get_kv_connector_stats().data == {"gate_held_steps": 2, "gate_holds": 3}
+    assert stats.gate_longest_hold == 2
+    registry = CollectorRegistry()
+    types = {t: functools.partial(t, registry=registry) for t in (Counter, Gauge, Histogram)}
+    prom = AtomPromMetrics(SimpleNamespace(kv_transfer_config=None), types, ["model_name", "engine"],
+                           {0: ["tiny", "0"]})
+    prom.observe({"gate_held_steps": 2, "gate_holds": 3}, 0)
+    assert registry.get_sample_value("vllm:atom_admission_gate_held_steps_total",
+                                     {"model_name": "tiny", "engine": "0"}) == 2
+    assert registry.get_sample_value("vllm:atom_admission_gate_holds_total",
+                                     {"model_name": "tiny", "engine": "0"}) == 3
+
+
 def test_delta_lists_only_counters_that_moved():
     before = stats_snapshot(CacheStats())
     s = CacheStats()
