@@ -71,6 +71,8 @@ class _Candidate:
     hit_blocks: tuple
     hit: int
     need: int
+    # its hit pages nobody references (the ones the gate can protect)
+    evictable: list = field(default_factory=list)
 
 
 class AdmissionGate:
@@ -82,6 +84,16 @@ class AdmissionGate:
         self.stats = stats if stats is not None else CacheStats()
         # request id -> steps held, for the requests that can still be held
         self._holds: dict[str, int] = {}
+        # request id -> (pages, tokens): the last gated step's lookups of the
+        # requests whose evictable hit pages it pinned through the step.
+        # Pages are evicted only by a step's allocations, so those hits still
+        # stand at the next step; a request that waits behind a long prefill
+        # is otherwise looked up again in every step of it.
+        self._lookups: dict = {}
+
+    def forget_lookups(self) -> None:
+        """The cache was reset: no remembered hit stands."""
+        self._lookups = {}
 
     @property
     def held_steps(self) -> int:
@@ -95,6 +107,7 @@ class AdmissionGate:
         """Decide the step; pins the protected pages and takes the held
         requests out of `sched.waiting`. None: vLLM's admission this step.
         `hits`: {request id: (pages, tokens)} already looked up this step."""
+        remembered, self._lookups = self._lookups, {}
         if self._stalled:
             self._stalled = False
             return None
@@ -106,7 +119,8 @@ class AdmissionGate:
             return None
         kvm = sched.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
-        candidates, protected = _look_up(kvm, itertools.islice(waiting, limit), hits or {})
+        candidates, protected = _look_up(kvm, itertools.islice(waiting, limit),
+                                         {**remembered, **(hits or {})})
         if not candidates:
             return None
         self._holds = {c.request.request_id: self._holds[c.request.request_id]
@@ -118,6 +132,8 @@ class AdmissionGate:
             room = _unprotect_last(candidates, protected, room)
         step = _decide(sched, candidates, protected, room, overdue)
         kvm.block_pool.touch(step.pinned)
+        self._lookups = {c.request.request_id: (c.hit_blocks, c.hit) for c in candidates
+                         if all(b.block_id in protected for b in c.evictable)}
         if step.held:
             for r in step.held:
                 self._holds[r.request_id] = self._holds.get(r.request_id, 0) + 1
@@ -168,7 +184,8 @@ def _running_reserve(managers, running) -> int:
 def _look_up(kvm, window, hits: dict) -> tuple[list, dict]:
     """The window's requests that start on a prefix lookup, and {block id:
     block} of their hit pages that are evictable now, in window order,
-    each prefix bottom up. `hits`: lookups already made this step."""
+    each prefix bottom up. `hits`: lookups that still stand (made this
+    step, or remembered from the last)."""
     managers = kvm.coordinator.single_type_managers
     candidates, protected = [], {}
     for request in window:
@@ -179,12 +196,11 @@ def _look_up(kvm, window, hits: dict) -> tuple[list, dict]:
             found = kvm.coordinator.find_longest_cache_hit(request.block_hashes,
                                                            request.num_tokens - 1)[:2]
         blocks, hit = found
+        evictable = [b for group in blocks for b in group if not b.is_null and b.ref_cnt == 0]
         candidates.append(_Candidate(request, blocks, hit,
-                                     _pages_to_admit(managers, request, hit)))
-        for group in blocks:
-            for b in group:
-                if not b.is_null and b.ref_cnt == 0:
-                    protected.setdefault(b.block_id, b)
+                                     _pages_to_admit(managers, request, hit), evictable))
+        for b in evictable:
+            protected.setdefault(b.block_id, b)
     return candidates, protected
 
 

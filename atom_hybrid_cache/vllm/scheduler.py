@@ -275,6 +275,8 @@ class AtomSchedulerMixin:
         failing as the requests themselves do)."""
         if self._atom_floors is not None:
             self._atom_floors.release_all_but({r.request_id for r in self.running})
+        if self._atom_gate is not None:
+            self._atom_gate.forget_lookups()
         return super().reset_prefix_cache(*args, **kwargs)
 
     # -- release ---------------------------------------------------------

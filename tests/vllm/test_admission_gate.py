@@ -217,3 +217,39 @@ def test_a_gated_step_that_scheduled_nothing_is_followed_by_an_ungated_one():
     assert list(sched.waiting) == ["held", "c"] and freed == ["page"]
     assert gate.open(sched) is None          # ungated: vLLM's admission
     assert gate._stalled is False            # and the next step is gated again
+
+
+def test_a_held_request_is_looked_up_once_while_it_waits(make_plugin_scheduler, monkeypatch):
+    """a2 waits out both steps of b2's prefill. Its hit pages stay pinned
+    through each gated step and nothing evicts between steps, so the gate
+    keeps its first lookup of a2 until a2 goes through. Without that
+    memory the gate looks a2 up again in each of the next two steps (10
+    calls, checked)."""
+    calls = []
+
+    def counting(make=make_plugin_scheduler):
+        sched, submit, step = make()
+        coordinator = sched.kv_cache_manager.coordinator
+        look_up = coordinator.find_longest_cache_hit
+
+        def counted(hashes, *args, **kwargs):
+            calls.append(len(hashes))
+            return look_up(hashes, *args, **kwargs)
+        coordinator.find_longest_cache_hit = counted
+        return sched, submit, step
+
+    sched, (cached, order) = _serve(counting, monkeypatch, "on")
+    assert order == ["b2", "a2"] and cached == {"a2": PROMPT, "b2": PROMPT}
+    assert sched._atom_gate.held_steps == 2
+    # by prefix length in hash units: a1 (the gate's lookup, then vLLM's),
+    # b1 (the same); the round: the gate's of a2 (294) and b2 (253), vLLM's
+    # of b2 as it goes, and, two steps later, vLLM's of a2 as it goes
+    assert calls == [252, 252, 252, 252, 294, 253, 253, 294]
+
+
+def test_a_prefix_cache_reset_forgets_the_remembered_hits(make_plugin_scheduler, monkeypatch):
+    monkeypatch.setenv("ATOM_ADMISSION_GATE", "on")
+    sched, _, _ = make_plugin_scheduler()
+    sched._atom_gate._lookups = {"x": ((), 448)}
+    assert sched.reset_prefix_cache()
+    assert sched._atom_gate._lookups == {}
