@@ -87,8 +87,11 @@ class AdmissionGate:
         # request id -> (pages, tokens): the last gated step's lookups of the
         # requests whose evictable hit pages it pinned through the step.
         # Pages are evicted only by a step's allocations, so those hits still
-        # stand at the next step; a request that waits behind a long prefill
-        # is otherwise looked up again in every step of it.
+        # stand at the next step (a request that waits behind a long prefill
+        # is otherwise looked up again in every step of it). One may have
+        # grown since, where another request cached more of a shared prefix;
+        # the gate then sees a larger need than vLLM's own lookup will, and
+        # may hold what could go. What a request reuses is vLLM's lookup.
         self._lookups: dict = {}
 
     def forget_lookups(self) -> None:
