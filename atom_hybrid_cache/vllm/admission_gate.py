@@ -135,8 +135,11 @@ class AdmissionGate:
             room = _unprotect_last(candidates, protected, room)
         step = _decide(sched, candidates, protected, room, overdue)
         kvm.block_pool.touch(step.pinned)
+        # only what this step pins is safe from its allocations (a step in
+        # which the smallest request goes alone pins nothing)
+        pinned = {b.block_id for b in step.pinned}
         self._lookups = {c.request.request_id: (c.hit_blocks, c.hit) for c in candidates
-                         if all(b.block_id in protected for b in c.evictable)}
+                         if all(b.block_id in pinned for b in c.evictable)}
         if step.held:
             for r in step.held:
                 self._holds[r.request_id] = self._holds.get(r.request_id, 0) + 1

@@ -77,11 +77,8 @@ def test_scaled_workload_matches_the_model_runs(pressure_bench, plugin_env, vllm
 
 # The admission gate (BENCHMARKS.md, "The admission gate"): the attention-only
 # control under AtomScheduler with the gate, and the plugin with the gate
-# switched off (ATOM_ADMISSION_GATE=off). The control kept 847,008 before the
-# gate remembered its lookups from one step to the next: a remembered hit
-# does not see what another request cached of a shared prefix in the last
-# step, so the gate may hold a request it would have let through.
-SCALED_ADMISSION = {"attention-control-gated": 846_976, "plugin-ungated": 783_904}
+# switched off (ATOM_ADMISSION_GATE=off)
+SCALED_ADMISSION = {"attention-control-gated": 847_008, "plugin-ungated": 783_904}
 
 
 def test_the_admission_gate_on_the_scaled_workload(pressure_bench, plugin_env, vllm_cpu_env,
