@@ -141,6 +141,13 @@ shows here: zeroing every state page between rounds moves it to ~0.8 and
 changes about half of the greedy tokens, where correct resumes stay at the
 numerical noise of another chunking (~0.03).
 
+``--dtype float32`` runs the model in float32: every engine of the run
+builds the plugin's GDN layer, whose torch core takes the dtypes vLLM's CPU
+kernels do not (``atom_hybrid_cache/vllm/gdn_torch_cpu.py``); engines of
+non-plugin policies keep vLLM's scheduler. There another chunking does not
+flip greedy outputs, so a cached run must match caching off's on every one
+(BENCHMARKS.md, "Outputs in float32"). About 4.5x slower than bf16.
+
 Policies
 --------
 ``off`` (``enable_prefix_caching=False``), ``off-rechunked`` (caching off with
@@ -516,6 +523,10 @@ def model_for(policy: str, geometry: str = "default", max_model_len: int = 0) ->
     return tiny.build_tiny_qwen3_next(config_overrides=overrides or None)
 
 
+# bfloat16: vLLM's CPU GDN kernels; float32: the plugin's torch GDN core
+MODEL_DTYPES = ("bfloat16", "float32")
+
+
 def make_llm(model: Path, num_blocks: int, max_model_len: int, **extra):
     for k, v in _tiny_model().VLLM_CPU_ENV.items():
         os.environ.setdefault(k, v)
@@ -747,8 +758,19 @@ def main(argv: list[str] | None = None) -> int:
                     help="drive each engine's scheduler with synthetic outputs instead of "
                          "running the model: the same cached counts in about a second per run; "
                          "no outputs, so no caching-off reference and no output checks")
+    ap.add_argument("--dtype", choices=MODEL_DTYPES, default="bfloat16",
+                    help="the model's dtype; float32 runs every policy's GDN layers through "
+                         "the plugin's torch core (vLLM's CPU kernels take bf16 only), where "
+                         "another chunking no longer flips greedy outputs")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.dtype != "bfloat16":
+        if args.scheduler_only:
+            ap.error("--dtype changes outputs only: it means nothing with --scheduler-only")
+        # every engine of this process, caching off included, builds our GDN
+        # layer (its torch core); those without AtomScheduler keep vLLM's
+        # manager and admission
+        enable_plugin()
     block = GEOMETRIES[args.geometry]["block_size"]
     if args.scheduler_only and "plugin-zeroed-states" in args.policies.split(","):
         ap.error("plugin-zeroed-states changes outputs only: "
@@ -809,11 +831,11 @@ def main(argv: list[str] | None = None) -> int:
         for pol in order:
             if pol == "attention-control-off":
                 r = run_policy("attention-control", convs, rounds, nb, max_model_len,
-                               args.geometry, enable_prefix_caching=False)
+                               args.geometry, enable_prefix_caching=False, dtype=args.dtype)
                 r["policy"] = pol
             else:
                 r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry,
-                               scheduler_only=args.scheduler_only)
+                               scheduler_only=args.scheduler_only, dtype=args.dtype)
             if pol in RUN_ONCE and not args.scheduler_only:
                 off_outputs[pol] = r
             ref_run = off_outputs.get("attention-control-off" if pol.startswith("attention-control")

@@ -12,7 +12,8 @@ up to each row's last target; on a GPU fla's forward keeps the boundary
 states anyway (see BENCHMARKS.md, interior checkpoint kernels).
 
 The op is registered like vLLM's `cpu_gdn_attention_core`, so a compiled
-model sees one opaque call.
+model sees one opaque call. A model in a dtype vLLM's CPU kernels do not
+take (float32) runs its core in torch (`gdn_torch_cpu`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ..kernels.chunk_forward import gated_delta_chunk_forward
 from ..kernels.conv_window import causal_conv1d_varlen
 from ..kernels.state_checkpoint import CheckpointWrites, store_interior_checkpoints
 from .gdn_backend import AtomGDNMetadata
+from .gdn_torch_cpu import VLLM_KERNEL_DTYPES, gdn_core_torch, gdn_gating
 
 OP_NAME = "atom_gdn_attention_core_cpu"
 _registered = False
@@ -40,7 +42,7 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     mdi = md.get(layer.prefix) if isinstance(md, dict) else None
     interior = mdi.interior if isinstance(mdi, AtomGDNMetadata) else None
     if interior is None:
-        vllm_cpu_gdn.cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name)
+        _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name)
         return
 
     # What the forward overwrites: the rows' initial states and conv windows.
@@ -62,7 +64,7 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     a_rows = torch.cat([a[s:s + n] for s, n in spans]).contiguous()
     b_rows = torch.cat([b[s:s + n] for s, n in spans]).contiguous()
 
-    vllm_cpu_gdn.cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name)
+    _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name)
 
     cu = [0]
     for _, n in spans:
@@ -72,8 +74,11 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     conv = causal_conv1d_varlen(x, cu_t, vllm_cpu_gdn._unpacked_conv_weight(layer),
                                 layer.conv1d.bias, initial_windows=w0, activation=layer.activation)
     q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv.output))
-    g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a_rows, b=b_rows,
-                                            dt_bias=layer.dt_bias)
+    if mixed_qkv.dtype in VLLM_KERNEL_DTYPES:   # the gating vLLM's core used
+        g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a_rows, b=b_rows,
+                                                dt_bias=layer.dt_bias)
+    else:
+        g, beta = gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
     g, beta = g.reshape(q.shape[0], -1).float(), beta.reshape(q.shape[0], -1).float()
     fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, cu_t,
                                     initial_state=h0, use_qk_l2norm=True, backend="torch")
@@ -85,6 +90,15 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
                                k=fwd.k, g=g, corrections=fwd.corrections,
                                chunk_offsets=fwd.chunk_offsets, conv_pool=conv_pool,
                                conv_x=x, conv_initial_windows=w0.to(x.dtype), backend="torch")
+
+
+def _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name) -> None:
+    """vLLM's CPU core for the dtypes its kernels take, the torch one for
+    the others."""
+    if mixed_qkv.dtype in VLLM_KERNEL_DTYPES:
+        vllm_cpu_gdn.cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name)
+    elif mdi is not None and mdi.num_actual_tokens:
+        gdn_core_torch(layer, mdi, mixed_qkv, b, a, core_attn_out)
 
 
 def register_cpu_op() -> None:

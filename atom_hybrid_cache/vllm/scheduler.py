@@ -88,13 +88,6 @@ class AtomSchedulerMixin:
         if isinstance(extra, dict) and extra.get(ADDITIONAL_CONFIG_KEY):
             logger.info("atom_hybrid_cache: settings from --additional-config: %s",
                         extra[ADDITIONAL_CONFIG_KEY])
-        gate_possible = self.cache_config.enable_prefix_caching and isinstance(self.waiting, deque)
-        if env_cfg.admission_gate == "on" and gate_possible:
-            # the gate needs no state groups: it also serves attention-only models
-            self._atom_gate = AdmissionGate()
-        elif env_cfg.admission_gate == "on":
-            logger.warning("atom_hybrid_cache: ATOM_ADMISSION_GATE=on needs prefix caching and "
-                           "vLLM's fcfs scheduling policy; the gate stays open")
         managers = self.kv_cache_manager.coordinator.single_type_managers
         state_groups = [g for g, m in enumerate(managers) if isinstance(m, AtomStateManager)]
         if not state_groups:
@@ -102,11 +95,13 @@ class AtomSchedulerMixin:
                 logger.warning("atom_hybrid_cache: AtomScheduler runs, but no state group uses "
                                "AtomStateManager (is VLLM_PLUGINS=atom_hybrid_cache set?): "
                                "vLLM's own hybrid caching is in charge")
+            self._atom_gate = self._atom_admission_gate(env_cfg.admission_gate)
             if self._atom_gate is not None:
                 logger.info("atom_hybrid_cache scheduler: admission gate on (no state groups)")
             return
         first = managers[state_groups[0]]
         if not self.cache_config.enable_prefix_caching or first.mamba_cache_mode != "align":
+            self._atom_gate = self._atom_admission_gate(env_cfg.admission_gate)
             return
         block_size = first.block_size
         num_blocks = self.kv_cache_manager.block_pool.num_gpu_blocks
@@ -127,20 +122,8 @@ class AtomSchedulerMixin:
         for g in state_groups:
             managers[g].attach(planner)
         self._atom = planner
-        if env_cfg.admission_gate == "auto" and gate_possible:
-            if pool_under_minimum(planner.pool_kv_tokens, planner.checkpoint_kv_tokens):
-                logger.warning("atom_hybrid_cache: admission gate off (auto): the KV pool (%s "
-                               "tokens) holds %d checkpoints' worth, under %d",
-                               f"{planner.pool_kv_tokens:,}",
-                               planner.pool_kv_tokens // planner.checkpoint_kv_tokens,
-                               MIN_POOL_CHECKPOINTS)
-            else:
-                self._atom_gate = AdmissionGate()
-        if self._atom_gate is not None:
-            # the holds are counted with the planner's stats: its log lines
-            # and the metrics report them
-            self._atom_gate.stats = planner.stats
-            planner.gate_on = True
+        self._atom_gate = self._atom_admission_gate(env_cfg.admission_gate, planner)
+        planner.gate_on = self._atom_gate is not None
         connector = getattr(self, "connector", None)
         if isinstance(connector, AtomStatsConnector):
             connector.report(planner.stats)
@@ -174,6 +157,32 @@ class AtomSchedulerMixin:
             logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; leave "
                            "--prefix-match-unit unset (the plugin then picks %d or a divisor "
                            "of it) for finer hits", self.hash_block_size, PREFIX_MATCH_UNIT_TOKENS)
+
+    def _atom_admission_gate(self, mode: str,
+                             planner: Optional[CheckpointPlanner] = None) -> Optional[AdmissionGate]:
+        """The admission gate `ATOM_ADMISSION_GATE=mode` asks for, or None.
+        `on` needs no state groups (it also serves attention-only models);
+        `auto` needs the planner, for the pool's size in checkpoints. The
+        holds are counted with the planner's stats, so its log lines and
+        the metrics report them."""
+        if mode == "off":
+            return None
+        if not (self.cache_config.enable_prefix_caching and isinstance(self.waiting, deque)):
+            if mode == "on":
+                logger.warning("atom_hybrid_cache: ATOM_ADMISSION_GATE=on needs prefix caching "
+                               "and vLLM's fcfs scheduling policy; the gate stays open")
+            return None
+        if mode == "auto":
+            if planner is None:
+                return None
+            if pool_under_minimum(planner.pool_kv_tokens, planner.checkpoint_kv_tokens):
+                logger.warning("atom_hybrid_cache: admission gate off (auto): the KV pool (%s "
+                               "tokens) holds %d checkpoints' worth, under %d",
+                               f"{planner.pool_kv_tokens:,}",
+                               planner.pool_kv_tokens // planner.checkpoint_kv_tokens,
+                               MIN_POOL_CHECKPOINTS)
+                return None
+        return AdmissionGate(planner.stats if planner is not None else None)
 
     # -- admission and chunking ------------------------------------------
     def _kv_prefix_tokens(self, request, hit: int = 0) -> int:
