@@ -146,7 +146,7 @@ builds the plugin's GDN layer, whose torch core takes the dtypes vLLM's CPU
 kernels do not (``atom_hybrid_cache/vllm/gdn_torch_cpu.py``); engines of
 non-plugin policies keep vLLM's scheduler. There another chunking does not
 flip greedy outputs, so a cached run must match caching off's on every one
-(BENCHMARKS.md, "Outputs in float32"). About 4.5x slower than bf16.
+(BENCHMARKS.md, "Outputs in float32"). About 2-2.5x slower than bf16.
 
 Policies
 --------
