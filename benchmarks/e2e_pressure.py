@@ -704,6 +704,33 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
             "start_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
 
 
+def sample_rounds(rounds, sampled) -> list:
+    """The rounds with only the requests whose send index is in `sampled`
+    (empty rounds dropped): caching off's outputs depend on the prompt
+    alone, so a sample of them needs neither the rest nor their order."""
+    keep, out, k = set(sampled), [], 0
+    for rnd in rounds:
+        sub = [ci for j, ci in enumerate(rnd, start=k) if j in keep]
+        k += len(rnd)
+        if sub:
+            out.append(sub)
+    return out
+
+
+def expand_sample(run: dict, sampled, total: int) -> dict:
+    """A run of `sample_rounds` back in send order over all `total`
+    requests: None where a request was not sent (0 cached)."""
+    sampled = list(sampled)
+    full = {"cached": [0] * total}
+    for key in ("outputs", "logprobs", "margins"):
+        full[key] = [None] * total
+        for j, value in zip(sampled, run[key]):
+            full[key][j] = value
+    for j, value in zip(sampled, run["cached"]):
+        full["cached"][j] = value
+    return {**run, **full}
+
+
 def send_order(convs, rounds) -> list[list[int]]:
     return [convs[c]["prompts"][i] for rnd in rounds for c, i in rnd]
 
@@ -762,8 +789,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="the model's dtype; float32 runs every policy's GDN layers through "
                          "the plugin's torch core (vLLM's CPU kernels take bf16 only), where "
                          "another chunking no longer flips greedy outputs")
+    ap.add_argument("--off-every", type=int, default=1, metavar="K",
+                    help="caching off's reference replays only every K-th request (in send "
+                         "order); the other runs are compared on those alone. For workloads "
+                         "whose full caching-off replay takes hours here")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.off_every < 1:
+        ap.error("--off-every must be at least 1")
     if args.dtype != "bfloat16":
         if args.scheduler_only:
             ap.error("--dtype changes outputs only: it means nothing with --scheduler-only")
@@ -833,6 +866,11 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_policy("attention-control", convs, rounds, nb, max_model_len,
                                args.geometry, enable_prefix_caching=False, dtype=args.dtype)
                 r["policy"] = pol
+            elif pol == "off" and args.off_every > 1:
+                sampled = range(0, len(sent), args.off_every)
+                r = expand_sample(run_policy(pol, convs, sample_rounds(rounds, sampled), nb,
+                                             max_model_len, args.geometry, dtype=args.dtype),
+                                  sampled, len(sent))
             else:
                 r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry,
                                scheduler_only=args.scheduler_only, dtype=args.dtype)
@@ -843,8 +881,10 @@ def main(argv: list[str] | None = None) -> int:
             ref = ref_run["outputs"] if ref_run is not None else None
             total = sum(r["cached"])
             compared = ref is not None and pol not in REFERENCE_RUNS
+            # (with --off-every, requests without a reference are not compared)
             differ = [j for j, (a, b) in enumerate(zip(r["outputs"], ref))
-                      if a != b] if compared else []
+                      if b is not None and a != b] if compared else []
+            referenced = [j for j, b in enumerate(ref) if b is not None] if compared else []
             row = {"multiple": m, "policy": pol, "num_blocks": nb, "cached_tokens": total,
                    "oracle_tokens": sum(oracle),
                    "ratio": round(total / sum(oracle), 4) if sum(oracle) else None,
@@ -852,8 +892,10 @@ def main(argv: list[str] | None = None) -> int:
                    "block_ratio": round(total / oracle_blocks, 4) if oracle_blocks else None,
                    # None on the reference (caching-off) rows themselves
                    "same_as_off": not differ if compared else None,
-                   "max_logprob_gap": round(max_logprob_gap(r["logprobs"], ref_run["logprobs"]), 4)
-                   if compared else None,
+                   "max_logprob_gap": round(max_logprob_gap(
+                       [r["logprobs"][j] for j in referenced],
+                       [ref_run["logprobs"][j] for j in referenced]), 4) if compared else None,
+                   "outputs_compared": len(referenced) if compared else None,
                    # how many greedy outputs differ, and how near a tie the
                    # caching-off run was on the worst of them (its top-2 margin)
                    "outputs_differing": len(differ) if compared else None,
@@ -862,12 +904,15 @@ def main(argv: list[str] | None = None) -> int:
                    "start_s": r["start_s"], "replay_s": r["replay_s"],
                    "per_request_cached": r["cached"],
                    "per_request_output": [o[0] if o else None for o in r["outputs"]],
-                   "per_request_logprob": [round(x, 4) for x in r["logprobs"]],
-                   "per_request_margin": [round(x, 4) for x in r["margins"]]}
+                   "per_request_logprob": [None if x is None else round(x, 4)
+                                           for x in r["logprobs"]],
+                   "per_request_margin": [None if x is None else round(x, 4)
+                                          for x in r["margins"]]}
             results.append(row)
             print(f"  x{m:<5} {pol:22s} blocks {nb:4d}  cached {total:7d}  "
                   f"ratio {row['ratio']}  block ratio {row['block_ratio']}  same_as_off {row['same_as_off']}  "
                   f"logprob gap {row['max_logprob_gap']}  differing {row['outputs_differing']} "
+                  f"of {row['outputs_compared']} "
                   f"(off margin <= {row['differing_max_off_margin']})  "
                   f"({r['start_s']} s start, {r['replay_s']} s replay)", flush=True)
 
