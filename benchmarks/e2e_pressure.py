@@ -148,6 +148,11 @@ non-plugin policies keep vLLM's scheduler. There another chunking does not
 flip greedy outputs, so a cached run must match caching off's on every one
 (BENCHMARKS.md, "Outputs in float32"). About 2-2.5x slower than bf16.
 
+``--off-every K`` replays only every K-th request (in send order) with
+caching off, each compared run on those alone: caching off's outputs depend
+on the prompt alone, and its full replay of the plan's workload at full
+length takes about 90 minutes on 2 cores.
+
 Policies
 --------
 ``off`` (``enable_prefix_caching=False``), ``off-rechunked`` (caching off with
