@@ -736,6 +736,55 @@ def expand_sample(run: dict, sampled, total: int) -> dict:
     return {**run, **full}
 
 
+# What must match for an earlier run's caching-off outputs to be this run's:
+# the same prompts in the same send order, and the same model.
+REFERENCE_WORKLOAD_KEYS = ("conversations", "requests", "rounds", "prompt_tokens",
+                           "max_prompt", "per_request_oracle", "max_model_len")
+REFERENCE_ARGS_KEYS = ("dtype", "geometry")
+
+
+def load_off_reference(path: Path, workload: dict, args: dict) -> dict:
+    """Caching off's per-request results from an earlier JSON of this bench
+    (``--off-reference``), None where it did not replay a request. Refused
+    unless it was this workload with this model. Its logprobs and margins
+    are the stored ones, rounded to 4 decimals."""
+    data = json.loads(Path(path).read_text())
+    for key in REFERENCE_WORKLOAD_KEYS:
+        if data["workload"].get(key) != workload[key]:
+            raise ValueError(f"--off-reference {path}: another workload ({key} differs)")
+    for key in REFERENCE_ARGS_KEYS:
+        if data["args"].get(key, "bfloat16" if key == "dtype" else None) != args[key]:
+            raise ValueError(f"--off-reference {path}: another model ({key} "
+                             f"{data['args'].get(key)!r}, this run {args[key]!r})")
+    rows = [r for r in data["results"] if r["policy"] == "off"]
+    if not rows:
+        raise ValueError(f"--off-reference {path}: no caching-off row")
+    row = rows[0]
+    # max_tokens=1: the stored first token is the whole output
+    return {"cached": row["per_request_cached"],
+            "outputs": [None if t is None else [t] for t in row["per_request_output"]],
+            "logprobs": row["per_request_logprob"], "margins": row["per_request_margin"]}
+
+
+def merge_off_references(earlier: dict, run: dict) -> dict:
+    """`run` (an `expand_sample`d caching-off replay) with the requests it
+    did not replay taken from `earlier`. Where both replayed one, the
+    outputs must agree: caching off's output depends on the prompt alone."""
+    merged = dict(run)
+    for key in ("outputs", "logprobs", "margins"):
+        merged[key] = list(run[key])
+    for j, out in enumerate(earlier["outputs"]):
+        if out is None:
+            continue
+        if run["outputs"][j] is None:
+            for key in ("outputs", "logprobs", "margins"):
+                merged[key][j] = earlier[key][j]
+        elif run["outputs"][j] != out:
+            raise ValueError(f"request {j}: caching off gave {run['outputs'][j]} here "
+                             f"and {out} in --off-reference")
+    return merged
+
+
 def send_order(convs, rounds) -> list[list[int]]:
     return [convs[c]["prompts"][i] for rnd in rounds for c, i in rnd]
 
@@ -798,6 +847,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="caching off's reference replays only every K-th request (in send "
                          "order); the other runs are compared on those alone. For workloads "
                          "whose full caching-off replay takes hours here")
+    ap.add_argument("--off-reference", type=Path, default=None, metavar="JSON",
+                    help="an earlier --json of this workload and model: its caching-off "
+                         "outputs are reused, and caching off replays only the requests "
+                         "(of the --off-every sample) it lacks; logprob gaps are then "
+                         "measured at its 4 decimals")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.off_every < 1:
@@ -848,6 +902,24 @@ def main(argv: list[str] | None = None) -> int:
           f"prefixes); largest live working set {ws} blocks "
           f"(block {block}, geometry {args.geometry}); largest single request {one} blocks", flush=True)
 
+    workload = {"conversations": [c["id"] for c in convs],
+                "requests": len(sent), "rounds": len(rounds),
+                "prompt_tokens": sum(map(len, sent)), "max_prompt": max_len,
+                "working_set_blocks": ws, "single_request_blocks": one,
+                "block_size": block, "geometry": args.geometry, "max_model_len": max_model_len,
+                "oracle_tokens": sum(oracle), "per_request_oracle": oracle,
+                "oracle_block_tokens": oracle_blocks,
+                "oracle_any_order_tokens": sum(oracle_any_order),
+                "per_request_oracle_any_order": oracle_any_order}
+    earlier_off = None
+    if args.off_reference is not None:
+        try:
+            earlier_off = load_off_reference(args.off_reference, workload, vars(args))
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(str(e))
+        print(f"--off-reference: caching off's outputs for "
+              f"{sum(o is not None for o in earlier_off['outputs'])} requests reused", flush=True)
+
     results = []
     off_outputs: dict[str, list] = {}
     for m in multiples:
@@ -871,11 +943,22 @@ def main(argv: list[str] | None = None) -> int:
                 r = run_policy("attention-control", convs, rounds, nb, max_model_len,
                                args.geometry, enable_prefix_caching=False, dtype=args.dtype)
                 r["policy"] = pol
-            elif pol == "off" and args.off_every > 1:
-                sampled = range(0, len(sent), args.off_every)
-                r = expand_sample(run_policy(pol, convs, sample_rounds(rounds, sampled), nb,
-                                             max_model_len, args.geometry, dtype=args.dtype),
-                                  sampled, len(sent))
+            elif pol == "off" and (args.off_every > 1 or earlier_off is not None):
+                sampled = [j for j in range(0, len(sent), args.off_every)
+                           if earlier_off is None or earlier_off["outputs"][j] is None]
+                if sampled:
+                    r = expand_sample(run_policy(pol, convs, sample_rounds(rounds, sampled), nb,
+                                                 max_model_len, args.geometry, dtype=args.dtype),
+                                      sampled, len(sent))
+                else:
+                    r = {**expand_sample({"cached": [], "outputs": [], "logprobs": [],
+                                          "margins": []}, [], len(sent)),
+                         "start_s": 0.0, "replay_s": 0.0}
+                if earlier_off is not None:
+                    r = merge_off_references(earlier_off, r)
+                    print(f"  caching off replayed {len(sampled)} requests, "
+                          f"{sum(o is not None for o in r['outputs'])} in the reference",
+                          flush=True)
             else:
                 r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry,
                                scheduler_only=args.scheduler_only, dtype=args.dtype)
@@ -898,7 +981,8 @@ def main(argv: list[str] | None = None) -> int:
                    # None on the reference (caching-off) rows themselves
                    "same_as_off": not differ if compared else None,
                    "max_logprob_gap": round(max_logprob_gap(
-                       [r["logprobs"][j] for j in referenced],
+                       [r["logprobs"][j] if earlier_off is None else round(r["logprobs"][j], 4)
+                        for j in referenced],
                        [ref_run["logprobs"][j] for j in referenced]), 4) if compared else None,
                    "outputs_compared": len(referenced) if compared else None,
                    # how many greedy outputs differ, and how near a tie the
@@ -937,15 +1021,7 @@ def main(argv: list[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "workload": {"conversations": [c["id"] for c in convs],
-                         "requests": len(sent), "rounds": len(rounds),
-                         "prompt_tokens": sum(map(len, sent)), "max_prompt": max_len,
-                         "working_set_blocks": ws, "single_request_blocks": one,
-                         "block_size": block, "geometry": args.geometry, "max_model_len": max_model_len,
-                         "oracle_tokens": sum(oracle), "per_request_oracle": oracle,
-                         "oracle_block_tokens": oracle_blocks,
-                         "oracle_any_order_tokens": sum(oracle_any_order),
-                         "per_request_oracle_any_order": oracle_any_order},
+            "workload": workload,
             "results": results, "wall_s": round(wall, 1)}, indent=1))
     return 0
 
