@@ -27,7 +27,7 @@ ADMISSION_GATE_MAX_HOLD_STEPS = 32
 DEFAULT_HEADROOM_PER_SEQ = 8
 
 # The prefix-hash unit the plugin gives vLLM when `--prefix-match-unit` is
-# unset (its greatest common divisor with the block size): vLLM's default
+# unset (or the block's largest divisor below it): vLLM's default
 # unit for a hybrid model is its block, raised to a state page (hundreds of
 # tokens), and a resume can land only on a unit boundary. vLLM's flag wins.
 PREFIX_MATCH_UNIT_TOKENS = 64

@@ -203,8 +203,11 @@ POLICIES: dict[str, Policy] = {
              ("ATOM_STATE_CHECKPOINT_FLOOR", ""))),
     # vLLM's default --block-size (native's block) and no --prefix-match-unit:
     # the hash unit the plugin then asks vLLM for (registration.
-    # plugin_prefix_match_unit: gcd(64, 400) = 16 in this geometry)
-    "plugin-default-block": Policy("plugin-default-block", None, 16, plugin=True),
+    # plugin_prefix_match_unit: 50, the largest divisor of 400 up to 64)
+    "plugin-default-block": Policy("plugin-default-block", None, 50, plugin=True),
+    # the same with the unit the plugin asked for before 2026-12-02:
+    # gcd(64, 400) = 16
+    "plugin-default-block-unit16": Policy("plugin-default-block-unit16", None, 16, plugin=True),
 }
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+import vllm._custom_ops as vllm_ops
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_gdn
 
 from ..kernels.chunk_forward import gated_delta_chunk_forward
@@ -35,6 +36,15 @@ def gdn_gating(A_log: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
     (what vLLM's `fused_gdn_gating` computes)."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     return g, b.float().sigmoid()
+
+
+def core_gating(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, beta) as the core for `a`'s dtype computes them: vLLM's fused CPU
+    op where its kernels run, `gdn_gating` where `gdn_core_torch` does. A
+    recompute of a step's states (interior checkpoints) must use the same."""
+    if a.dtype in VLLM_KERNEL_DTYPES:
+        return vllm_ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a, b=b, dt_bias=layer.dt_bias)
+    return gdn_gating(layer.A_log, a, b, layer.dt_bias)
 
 
 def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
@@ -63,7 +73,7 @@ def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch
                                 layer.conv1d.bias, initial_windows=w0,
                                 activation=layer.activation)
     q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv.output))
-    g, beta = gdn_gating(layer.A_log, a[:tokens], b[:tokens], layer.dt_bias)
+    g, beta = core_gating(layer, a[:tokens], b[:tokens])
     fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, cu,
                                     initial_state=h0, use_qk_l2norm=True, backend="torch")
     core_attn_out[:tokens] = fwd.output.to(core_attn_out.dtype)

@@ -19,7 +19,6 @@ take (float32) runs its core in torch (`gdn_torch_cpu`).
 from __future__ import annotations
 
 import torch
-import vllm._custom_ops as vllm_ops
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_gdn
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
@@ -28,7 +27,7 @@ from ..kernels.chunk_forward import gated_delta_chunk_forward
 from ..kernels.conv_window import causal_conv1d_varlen
 from ..kernels.state_checkpoint import CheckpointWrites, store_interior_checkpoints
 from .gdn_backend import AtomGDNMetadata
-from .gdn_torch_cpu import VLLM_KERNEL_DTYPES, gdn_core_torch, gdn_gating
+from .gdn_torch_cpu import VLLM_KERNEL_DTYPES, core_gating, gdn_core_torch
 
 OP_NAME = "atom_gdn_attention_core_cpu"
 _registered = False
@@ -74,11 +73,7 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     conv = causal_conv1d_varlen(x, cu_t, vllm_cpu_gdn._unpacked_conv_weight(layer),
                                 layer.conv1d.bias, initial_windows=w0, activation=layer.activation)
     q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv.output))
-    if mixed_qkv.dtype in VLLM_KERNEL_DTYPES:   # the gating vLLM's core used
-        g, beta = vllm_ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a_rows, b=b_rows,
-                                                dt_bias=layer.dt_bias)
-    else:
-        g, beta = gdn_gating(layer.A_log, a_rows, b_rows, layer.dt_bias)
+    g, beta = core_gating(layer, a_rows, b_rows)
     g, beta = g.reshape(q.shape[0], -1).float(), beta.reshape(q.shape[0], -1).float()
     fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, cu_t,
                                     initial_state=h0, use_qk_l2norm=True, backend="torch")

@@ -37,7 +37,8 @@ PATCHES: tuple = (
     ("vllm.config.scheduler.SchedulerConfig.get_scheduler_cls: AtomScheduler "
      "(AtomAsyncScheduler with async scheduling) where --scheduler-cls is unset", "0.32.0"),
     ("vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes (and vllm.v1.engine.core's "
-     "binding): prefix hashes every gcd(64, block size) tokens on models with our state "
+     "binding): prefix hashes every 64 tokens (the largest divisor of the block up to 64) "
+     "on models with our state "
      "groups where --prefix-match-unit is unset", "0.32.0"),
 )
 
@@ -150,10 +151,9 @@ def plugin_prefix_match_unit(kv_cache_config, vllm_config) -> Optional[int]:
     """The prefix-hash unit the plugin asks of vLLM for this engine, or None
     to leave vLLM's choice: where `--prefix-match-unit` is unset, prefix
     caching runs in align mode, and a KV cache group holds our state pages,
-    the greatest common divisor of PREFIX_MATCH_UNIT_TOKENS and every
-    prefix-cacheable group's block size (a power of two: a 400-token block
-    gives 16, not 50), when that is finer than vLLM's default (the
-    GCD of those block sizes)."""
+    `largest_unit_dividing` every prefix-cacheable group's block size, up
+    to PREFIX_MATCH_UNIT_TOKENS, when that is finer than vLLM's default
+    (the GCD of those block sizes)."""
     from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
 
     from ..config import PREFIX_MATCH_UNIT_TOKENS
@@ -171,14 +171,28 @@ def plugin_prefix_match_unit(kv_cache_config, vllm_config) -> Optional[int]:
         return None
     specs = [g.kv_cache_spec for g in groups]
     sizes = [s.block_size for s in specs if s.prefix_cacheable] or [s.block_size for s in specs]
-    unit = math.gcd(PREFIX_MATCH_UNIT_TOKENS, *sizes)
+    unit = largest_unit_dividing(sizes, PREFIX_MATCH_UNIT_TOKENS)
     return unit if unit < math.gcd(*sizes) else None
+
+
+def largest_unit_dividing(block_sizes, limit: int) -> int:
+    """The largest number of tokens, at most `limit`, that divides every
+    block size: 64 for 128- or 448-token blocks, 50 for 400.
+
+    vLLM needs every block size divisible by the unit, and each unit
+    boundary is a hash the scheduler computes, stores and walks: the
+    largest divisor keeps resumes within `limit` tokens of any boundary
+    with the fewest hashes. (gcd(64, 400) = 16 hashed about 3x as often
+    for the same hits: BENCHMARKS.md, "With vLLM's default block size".)"""
+    g = math.gcd(*block_sizes)
+    return max(d for d in range(1, min(limit, g) + 1) if g % d == 0)
 
 
 def default_prefix_match_unit() -> None:
     """With the plugin enabled and `--prefix-match-unit` unset, a model with
-    our state groups hashes prefixes every 64 tokens, or every gcd(64,
-    block size) tokens where 64 does not divide the block. Idempotent.
+    our state groups hashes prefixes every 64 tokens, or, where 64 does
+    not divide the block, every `largest_unit_dividing` it up to 64 tokens
+    (50 for a 400-token block). Idempotent.
 
     Why: vLLM raises a hybrid model's block to a state page (400-1,600
     tokens for Qwen3.5) and hashes on that block, so a prompt resumes only

@@ -20,7 +20,7 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first  # noqa: E402
 
-from atom_hybrid_cache.vllm.gdn_torch_cpu import gdn_core_torch, gdn_gating  # noqa: E402
+from atom_hybrid_cache.vllm.gdn_torch_cpu import core_gating, gdn_core_torch, gdn_gating  # noqa: E402
 
 H, HV, K, V, W = 2, 2, 16, 16, 4
 D = 2 * H * K + HV * V
@@ -135,3 +135,22 @@ def test_gating_matches_vllm_cpu_kernel():
     # to fp32 rounding (vLLM's vectorized exp); beta to bf16's, which vLLM returns
     torch.testing.assert_close(g, g_ref.reshape(33, HV).float(), rtol=2.5e-7, atol=0)
     torch.testing.assert_close(beta, beta_ref.reshape(33, HV).float(), rtol=0, atol=2 ** -8)
+
+
+def test_core_gating_is_the_gating_of_the_core_that_runs():
+    """The interior-checkpoint recompute asks `core_gating`, so its states
+    use the gating of the core that ran the step: vLLM's fused op (bf16
+    beta) for bf16, `gdn_gating` (fp32 throughout) for float32."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    gen = torch.Generator().manual_seed(6)
+    layer = SimpleNamespace(A_log=torch.randn(HV, generator=gen).bfloat16(),
+                            dt_bias=torch.randn(HV, generator=gen).bfloat16())
+    a = (torch.randn(9, HV, generator=gen) * 5).bfloat16()
+    b = torch.randn(9, HV, generator=gen).bfloat16()
+    g, beta = core_gating(layer, a, b)
+    g_ref, beta_ref = ops.fused_gdn_gating_cpu(A_log=layer.A_log, a=a, b=b, dt_bias=layer.dt_bias)
+    assert torch.equal(g, g_ref) and torch.equal(beta, beta_ref)
+    g, beta = core_gating(layer, a.float(), b.float())
+    g_ref, beta_ref = gdn_gating(layer.A_log, a.float(), b.float(), layer.dt_bias)
+    assert torch.equal(g, g_ref) and torch.equal(beta, beta_ref)
+    assert beta.dtype == torch.float32

@@ -163,13 +163,17 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
     """`VLLM_PLUGINS=atom_hybrid_cache vllm serve MODEL --enable-prefix-caching`
     with no --prefix-match-unit: vLLM would hash on its 400-token hybrid
     block (a prompt could resume only at multiples of 400, and one shorter
-    than 400 tokens never); with the plugin the unit is gcd(64, block)
-    (16 for 400, 64 for 448). Without the patch the
-    first assertion fails with (400, 400)."""
+    than 400 tokens never); with the plugin the unit is the block's largest
+    divisor up to 64 (50 for 400, 64 for 448). Without the patch the
+    first assertion fails with (400, 400); with the earlier rule, gcd(64,
+    block), with (400, 16). The scheduler bench's `plugin-default-block`
+    runs the unit the plugin asks for."""
     registration = _enable_with_patch(monkeypatch, "resolve_kv_cache_block_sizes")
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
-        assert _hash_unit(None, None) == (400, 16)
+        assert _hash_unit(None, None) == (400, 50)
         assert _hash_unit(64, None) == (448, 64)
+    from scheduler_bench_module import load_scheduler_bench
+    assert load_scheduler_bench().POLICIES["plugin-default-block"].prefix_match_unit == 50
     assert ("atom_hybrid_cache: prefix hashes every 64 tokens (vLLM's --prefix-match-unit "
             "is unset; blocks are 448 tokens)") in caplog.messages
     # an explicit unit wins; vLLM's own state groups are not ours to change
@@ -188,6 +192,17 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
     assert kv_cache_utils.resolve_kv_cache_block_sizes is wrapped
     assert core.resolve_kv_cache_block_sizes is wrapped
     assert not hasattr(wrapped.__wrapped__, "__wrapped__")
+
+
+def test_largest_unit_dividing_the_blocks():
+    from atom_hybrid_cache.vllm.registration import largest_unit_dividing
+    assert largest_unit_dividing([400], 64) == 50
+    assert largest_unit_dividing([448], 64) == 64
+    assert largest_unit_dividing([128, 64], 64) == 64
+    assert largest_unit_dividing([1568], 64) == 56     # 2^5 * 7^2
+    assert largest_unit_dividing([1072], 64) == 16     # 16 * 67: no divisor in 17..64
+    assert largest_unit_dividing([400, 600], 64) == 50  # gcd 200
+    assert largest_unit_dividing([48], 64) == 48
 
 
 # -- settings through vLLM's --additional-config ----------------------------
