@@ -17,12 +17,14 @@ correctness path, not a fast one; a bf16 model keeps vLLM's kernels.
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
 import torch
 import torch.nn.functional as F
 import vllm._custom_ops as vllm_ops
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_gdn
 
-from ..kernels.chunk_forward import gated_delta_chunk_forward
+from ..kernels.chunk_forward import ChunkForward, gated_delta_chunk_forward
 from ..kernels.conv_window import causal_conv1d_varlen
 
 # the dtypes vLLM's CPU GDN kernels take; any other goes through `gdn_core_torch`
@@ -47,16 +49,28 @@ def core_gating(layer, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, 
     return gdn_gating(layer.A_log, a, b, layer.dt_bias)
 
 
+class TorchCoreStep(NamedTuple):
+    """What `gdn_core_torch` computed on the way, for a caller that stores
+    states inside the step's rows (interior checkpoints) without computing
+    them again: the rows' bounds, their initial conv windows, the gating
+    and the chunked forward (boundary states, k, corrections)."""
+
+    cu_seqlens: torch.Tensor
+    initial_windows: torch.Tensor
+    g: torch.Tensor
+    forward: ChunkForward
+
+
 def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-                   core_attn_out: torch.Tensor) -> None:
+                   core_attn_out: torch.Tensor) -> Optional[TorchCoreStep]:
     """One step of `layer` over the rows of `md` (vLLM's GDN metadata:
     decodes first, then prefills), writing `core_attn_out` and the rows'
-    state and conv-window slots."""
+    state and conv-window slots; `mixed_qkv` is left as it was."""
     if md.spec_sequence_masks is not None or md.num_accepted_tokens is not None:
         raise NotImplementedError("the torch GDN core runs without speculative decoding")
     rows = md.num_decodes + md.num_prefills
     if rows == 0:
-        return
+        return None
     cu = md.non_spec_query_start_loc[:rows + 1].to(torch.int32)
     tokens = int(cu[-1])
     slots = md.non_spec_state_indices_tensor[:rows].long()
@@ -79,3 +93,4 @@ def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch
     core_attn_out[:tokens] = fwd.output.to(core_attn_out.dtype)
     ssm_pool[slots] = fwd.final_state.to(ssm_pool.dtype)
     conv_pool[slots] = conv.final_window.to(conv_pool.dtype)
+    return TorchCoreStep(cu, w0, g, fwd)

@@ -13,7 +13,8 @@ states anyway (see BENCHMARKS.md, interior checkpoint kernels).
 
 The op is registered like vLLM's `cpu_gdn_attention_core`, so a compiled
 model sees one opaque call. A model in a dtype vLLM's CPU kernels do not
-take (float32) runs its core in torch (`gdn_torch_cpu`).
+take (float32) runs its core in torch (`gdn_torch_cpu`), which keeps its
+boundary states: the targets are stored from those, with no recompute.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from ..kernels.chunk_forward import gated_delta_chunk_forward
 from ..kernels.conv_window import causal_conv1d_varlen
 from ..kernels.state_checkpoint import CheckpointWrites, store_interior_checkpoints
 from .gdn_backend import AtomGDNMetadata
-from .gdn_torch_cpu import VLLM_KERNEL_DTYPES, core_gating, gdn_core_torch
+from .gdn_torch_cpu import VLLM_KERNEL_DTYPES, TorchCoreStep, core_gating, gdn_core_torch
 
 OP_NAME = "atom_gdn_attention_core_cpu"
 _registered = False
@@ -42,6 +43,11 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
     interior = mdi.interior if isinstance(mdi, AtomGDNMetadata) else None
     if interior is None:
         _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name)
+        return
+    if mixed_qkv.dtype not in VLLM_KERNEL_DTYPES:
+        # the torch core keeps what it computed on the way: no recompute
+        step = gdn_core_torch(layer, mdi, mixed_qkv, b, a, core_attn_out)
+        store_targets_from_torch_core(layer, mdi.num_decodes, interior, mixed_qkv, step)
         return
 
     # What the forward overwrites: the rows' initial states and conv windows.
@@ -85,6 +91,25 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
                                k=fwd.k, g=g, corrections=fwd.corrections,
                                chunk_offsets=fwd.chunk_offsets, conv_pool=conv_pool,
                                conv_x=x, conv_initial_windows=w0.to(x.dtype), backend="torch")
+
+
+def store_targets_from_torch_core(layer, num_decodes: int, interior, mixed_qkv: torch.Tensor,
+                                  step: TorchCoreStep) -> None:
+    """Each target's state and conv window, from the boundary states the
+    torch core's forward kept (`step`); `interior.rows` count prefills, the
+    core's rows start with the decodes."""
+    cu = step.cu_seqlens
+    fwd = step.forward
+    writes = CheckpointWrites.from_lists([num_decodes + r for r in interior.rows],
+                                         interior.positions, interior.slots,
+                                         row_lengths=(cu[1:] - cu[:-1]).tolist())
+    store_interior_checkpoints(writes, cu, state_pool=vllm_cpu_gdn._ssm_state_view(layer),
+                               chunk_states=fwd.chunk_states, final_state=fwd.final_state,
+                               k=fwd.k, g=step.g, corrections=fwd.corrections,
+                               chunk_offsets=fwd.chunk_offsets,
+                               conv_pool=vllm_cpu_gdn._conv_buffer_view(layer),
+                               conv_x=mixed_qkv[:int(cu[-1])],
+                               conv_initial_windows=step.initial_windows, backend="torch")
 
 
 def _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name) -> None:

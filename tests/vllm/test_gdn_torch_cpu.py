@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first  # noqa: E402
 
 from atom_hybrid_cache.vllm.gdn_torch_cpu import core_gating, gdn_core_torch, gdn_gating  # noqa: E402
+from atom_hybrid_cache.vllm.interior_cpu import store_targets_from_torch_core  # noqa: E402
 
 H, HV, K, V, W = 2, 2, 16, 16, 4
 D = 2 * H * K + HV * V
@@ -51,8 +52,10 @@ def _inputs(n: int, seed: int):
             torch.randn(n, HV, generator=gen))
 
 
-def _step(layer, rows):
-    """rows: (slot, (x, a, b), resumes, decode), decodes first as vLLM orders them."""
+def _step(layer, rows, interior=None):
+    """rows: (slot, (x, a, b), resumes, decode), decodes first as vLLM orders them;
+    `interior` (rows counted among the prefills, positions, slots): targets
+    stored from the step, as the plugin's CPU op does for a float32 model."""
     assert [r[3] for r in rows] == sorted((r[3] for r in rows), reverse=True)
     cu = [0]
     for _, (x, _, _), _, _ in rows:
@@ -67,7 +70,9 @@ def _step(layer, rows):
     a = torch.cat([r[1][1] for r in rows])
     b = torch.cat([r[1][2] for r in rows])
     out = torch.full((x.shape[0], HV, V), float("nan"))
-    gdn_core_torch(layer, md, x, b, a, out)
+    step = gdn_core_torch(layer, md, x, b, a, out)
+    if interior is not None:
+        store_targets_from_torch_core(layer, md.num_decodes, interior, x, step)
     return [out[cu[i]:cu[i + 1]] for i in range(len(rows))]
 
 
@@ -100,6 +105,33 @@ def test_pieces_over_steps_end_where_one_step_ends():
     for s, before in untouched.items():
         for got, want in zip(_slot(split, s), before):
             assert torch.equal(got, want), s
+
+
+def test_interior_targets_hold_the_state_where_a_step_would_have_stopped():
+    """A float32 model with interior checkpoints: the targets inside a
+    resumed prefill (beside a decode and a fresh prefill, so the rows are
+    offset) get the state and conv window of a step that ended there, taken
+    from the core's own forward (no recompute). Positions 0 (the row's
+    initial state), 17 and 30 (off the 64-token chunk grid: the advance),
+    40 (the row's end)."""
+    seq = _inputs(40, seed=7)
+    dec = _inputs(1, seed=8)
+    fresh = _inputs(6, seed=9)
+    targets = {0: 4, 17: 5, 30: 6, 40: 7}
+    got = _layer(seed=10)
+    want_initial = _slot(got, 3)
+    _step(got, [(1, dec, True, True), (2, fresh, False, False), (3, seq, True, False)],
+          interior=SimpleNamespace(rows=[1] * len(targets), positions=list(targets),
+                                   slots=list(targets.values())))
+    for pos, slot in targets.items():
+        if pos == 0:
+            want = want_initial
+        else:
+            ref = _layer(seed=10)
+            _step(ref, [(3, tuple(u[:pos] for u in seq), True, False)])
+            want = _slot(ref, 3)
+        for part, (g, w) in zip(("conv window", "state"), zip(_slot(got, slot), want)):
+            assert torch.allclose(g, w, atol=1e-5, rtol=1e-5), (pos, part, (g - w).abs().max())
 
 
 def test_a_prefill_without_initial_state_ignores_its_slot():
