@@ -151,7 +151,12 @@ flip greedy outputs, so a cached run must match caching off's on every one
 ``--off-every K`` replays only every K-th request (in send order) with
 caching off, each compared run on those alone: caching off's outputs depend
 on the prompt alone, and its full replay of the plan's workload at full
-length takes about 90 minutes on 2 cores.
+length takes about 90 minutes on 2 cores. ``--off-reference JSON`` reuses
+the caching-off outputs an earlier run of the same workload and model wrote
+(checked: same prompts in the same order, same dtype and geometry) and
+replays only the requests it lacks, so a sampled reference can be completed
+later; where both have a request, their outputs must agree. With it the
+logprob gaps are read at the JSON's 4 decimals.
 
 Policies
 --------
