@@ -960,7 +960,10 @@ def main(argv: list[str] | None = None) -> int:
                                           "margins": []}, [], len(sent)),
                          "start_s": 0.0, "replay_s": 0.0}
                 if earlier_off is not None:
-                    r = merge_off_references(earlier_off, r)
+                    # read at the earlier JSON's 4 decimals, on every request alike
+                    r = merge_off_references(earlier_off, {
+                        **r, "logprobs": [None if x is None else round(x, 4)
+                                          for x in r["logprobs"]]})
                     print(f"  caching off replayed {len(sampled)} requests, "
                           f"{sum(o is not None for o in r['outputs'])} in the reference",
                           flush=True)
