@@ -16,8 +16,9 @@ plugin is enabled:
 - `SchedulerConfig.get_scheduler_cls` (vllm/config/scheduler.py) answers
   `AtomScheduler` / `AtomAsyncScheduler` (see `default_scheduler_class`);
 - `resolve_kv_cache_block_sizes` (vllm/v1/core/kv_cache_utils.py, and its
-  binding in vllm/v1/engine/core.py) hashes prefixes on 64-token units
-  instead of the state-page-sized block (see `default_prefix_match_unit`).
+  binding in vllm/v1/engine/core.py) hashes prefixes on units of at most
+  64 tokens instead of the state-page-sized block (see
+  `default_prefix_match_unit`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ PATCHES: tuple = (
     ("vllm.config.scheduler.SchedulerConfig.get_scheduler_cls: AtomScheduler "
      "(AtomAsyncScheduler with async scheduling) where --scheduler-cls is unset", "0.32.0"),
     ("vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes (and vllm.v1.engine.core's "
-     "binding): prefix hashes every 64 tokens (the largest divisor of the block up to 64) "
-     "on models with our state "
-     "groups where --prefix-match-unit is unset", "0.32.0"),
+     "binding): prefix hashes on the largest divisor of the block up to 64 tokens "
+     "on models with our state groups where --prefix-match-unit is unset", "0.32.0"),
 )
 
 
