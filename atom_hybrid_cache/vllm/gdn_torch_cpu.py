@@ -87,7 +87,7 @@ def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch
                                 layer.conv1d.bias, initial_windows=w0,
                                 activation=layer.activation)
     q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv.output))
-    g, beta = core_gating(layer, a[:tokens], b[:tokens])
+    g, beta = gdn_gating(layer.A_log, a[:tokens], b[:tokens], layer.dt_bias)
     fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, cu,
                                     initial_state=h0, use_qk_l2norm=True, backend="torch")
     core_attn_out[:tokens] = fwd.output.to(core_attn_out.dtype)
