@@ -294,7 +294,8 @@ def build_workload(trace_paths: list[Path], max_prompt: int, head: int = 256,
     see the module docstring; ``max_prompt=0``: no elision, no cap). With
     ``tokens_per_id`` every request is first scaled down (SCALE rule).
     Conversations left with no request are dropped."""
-    from atom_hybrid_cache.replay.traces import TokenExpander, load_traces
+    from atom_hybrid_cache.replay.token_expander import TokenExpander
+    from atom_hybrid_cache.replay.traces import load_traces
 
     exp = TokenExpander()
     convs = []

@@ -19,6 +19,6 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu
 python3 -m pytest -q -rs tests/kernels 2>&1 | tee "$out/tests.txt" || true
 # 4 rows of 8k with 4 targets each (the shape of a packed prefill step), then
 # one 32k row with 16 targets (a long prompt with a dense ladder).
-python3 -m atom_hybrid_cache.kernels.bench --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
-python3 -m atom_hybrid_cache.kernels.bench --rows 1 --row-tokens 32768 --targets-per-row 16 \
+python3 benchmarks/kernel_bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
+python3 benchmarks/kernel_bench.py --rows 1 --row-tokens 32768 --targets-per-row 16 \
     --json "$out/bench_long.json" 2>&1 | tee "$out/bench_long.txt"

@@ -217,7 +217,7 @@ class PoolView:
     def kv_prefix(self, request) -> int:
         """Tokens the attention groups alone could serve (the shortest
         group), by the plugin's own rule, for any policy's scheduler."""
-        from atom_hybrid_cache.vllm.scheduler import kv_prefix_tokens
+        from atom_hybrid_cache.vllm.admission import kv_prefix_tokens
         return kv_prefix_tokens(self.pool, self.kv_groups, request, self.hash_unit)
 
     def state_positions(self, request) -> tuple:

@@ -203,7 +203,7 @@ POLICIES: dict[str, Policy] = {
              ("ATOM_STATE_CHECKPOINT_FLOOR", ""))),
     # vLLM's default --block-size (native's block) and no --prefix-match-unit:
     # the hash unit the plugin then asks vLLM for (registration.
-    # plugin_prefix_match_unit: 50, the largest divisor of 400 up to 64)
+    # plugin_hash_unit: 50, the largest divisor of 400 up to 64)
     "plugin-default-block": Policy("plugin-default-block", None, 50, plugin=True),
     # the same with the unit the plugin asked for before 2026-12-02:
     # gcd(64, 400) = 16
@@ -622,7 +622,7 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
     from synthetic_outputs import synthetic_model_output
     from vllm.v1.request import Request, RequestStatus
 
-    from atom_hybrid_cache.replay.traces import TokenExpander
+    from atom_hybrid_cache.replay.token_expander import TokenExpander
 
     if isinstance(policy, str):
         policy = POLICIES[policy]

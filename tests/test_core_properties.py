@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
-from atom_hybrid_cache.config import CacheConfig, PlacementConfig
+from atom_hybrid_cache.config import ReplayPoolConfig, PlacementConfig
 from atom_hybrid_cache.core.hashing import ROOT_PARENT, hash_block, hash_blocks, split_full_blocks
 from atom_hybrid_cache.core.kv_pool import NULL_BLOCK
 from atom_hybrid_cache.core.manager import HybridCacheManager, Request
@@ -89,7 +89,7 @@ class CacheMachine(RuleBasedStateMachine):
         tuned = {k: v for k, v in KNOBS[knobs].items() if k in _FIELDS}
         p = PlacementConfig(interval_tokens=interval, eviction=eviction, demand=demand,
                             protected_per_seq=protected_per_seq, **tuned)
-        cfg = CacheConfig(block_size=block, num_kv_blocks=kv_blocks, max_num_seqs=max_seqs,
+        cfg = ReplayPoolConfig(block_size=block, num_kv_blocks=kv_blocks, max_num_seqs=max_seqs,
                           num_spec=num_spec, state_checkpoint_slots=headroom,
                           interior_states_readable=interior, strict_stats=False,
                           placement=p)
@@ -113,12 +113,12 @@ class CacheMachine(RuleBasedStateMachine):
         r = x.req
         assert adm.hit_tokens % B == 0
         assert adm.hit_tokens < r.prompt_len       # the last token is always computed
-        assert adm.hit_tokens <= adm.compressed <= (r.prompt_len - m.cfg.successor_room) // B * B
+        assert adm.hit_tokens <= adm.kv_reach <= (r.prompt_len - m.cfg.successor_room) // B * B
         assert r.num_computed == adm.hit_tokens
         if adm.hit_tokens:
             SEEN["resumed"] += 1
             self._check_resume(r, adm)
-        if adm.compressed > adm.hit_tokens:
+        if adm.kv_reach > adm.hit_tokens:
             SEEN["kv hit beyond checkpoint"] += 1
         assert len(r.working_slots) == 1 + m.cfg.num_spec
         assert len(r.blocks) == -(-r.prompt_len // B)

@@ -165,3 +165,68 @@ def test_set_split_across_no_complete_set():
     log = "\n".join([stats, pools, stats, fates])
     with pytest.raises(ValueError, match=r"last set lacks \[Cache Pools\]"):
         diagnose(log)
+
+
+# -- the vLLM plugin's lines: one shared pool ----------------------------------
+
+PLUGIN_KV_BOUND = """\
+(EngineCore pid=7) INFO 12-02 10:00:00 [planner.py:160] [Cache Stats] admissions=300 reusable=2000000 cached=1500000 hit=0.7500 lost_to_checkpoint=100000 lost_unrecoverable=400000
+(EngineCore pid=7) INFO 12-02 10:00:00 [planner.py:160] [Cache Pools] paged_hit=0.8000 state_hit=0.9375 combined=0.7500 binds=kv
+(EngineCore pid=7) INFO 12-02 10:00:00 [planner.py:160] [Cache Freq] requests=300 full_reuse=200 paged_match_state_miss=30 checkpoint_would_fix=20 paged_miss=70
+(EngineCore pid=7) INFO 12-02 10:00:00 [planner.py:160] [Shared Pool] pages=1413 used=1380 free=33 states_written=900 states_read=260
+(EngineCore pid=7) INFO 12-02 10:00:00 [planner.py:160] [Checkpoint Kinds] anchor=600 demand=40 cut=30 fallback=0 cold=100 span=0 insurance=20 ladder=0 decode=0 junction=110 interior=0 floor_holds=250
+"""
+
+
+def test_the_plugin_lines_get_the_shared_pool_verdict():
+    d = diagnose(PLUGIN_KV_BOUND)
+    assert (d.source, d.binds) == ("plugin", "kv")
+    assert d.state_ceiling_hit == pytest.approx(0.8)
+    assert d.lines[0] == ("hit 75.00% of 2,000,000 reusable tokens over 300 admissions = "
+                          "paged_hit 80.00% x state_hit 93.75%")
+    assert ("shared pool at the last report: 1,413 pages, 1,380 used, 33 free; 900 states "
+            "written, 260 resumes read one") in d.lines
+    verdict = [line for line in d.lines if line.startswith("binds:")]
+    assert verdict == ["binds: kv - the pool cut prefixes before their next turn came back; more "
+                       "KV cache memory is the lever (a larger --gpu-memory-utilization, a "
+                       "smaller --max-model-len or --max-num-seqs), and the admission gate, "
+                       "off here (ATOM_ADMISSION_GATE=on forces it)"]
+    assert ("checkpoints written by kind: anchor 600, demand 40, cut 30, cold 100, insurance 20, "
+            "junction 110") in d.lines
+
+
+def test_a_plugin_set_losing_to_missing_states_binds_state_and_names_the_gate():
+    log = (PLUGIN_KV_BOUND.replace("lost_to_checkpoint=100000 lost_unrecoverable=400000",
+                                   "lost_to_checkpoint=400000 lost_unrecoverable=100000")
+           + "[Admission Gate] held_steps=12 holds=30 longest_hold=4\n")
+    d = diagnose(log)
+    assert d.binds == "state"
+    assert any(line.startswith("binds: state - KV prefixes were held with no state at their end")
+               for line in d.lines)
+    assert ("the admission gate held 30 waiting requests over 12 steps (longest hold 4 steps)"
+            in d.lines)
+
+
+def test_the_planner_lines_are_what_diagnose_reads():
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.planner import CheckpointPlanner
+    from atom_hybrid_cache.core.policy import CheckpointPolicy
+    policy = CheckpointPolicy(PlacementConfig(), block_size=128, kv_share_tokens=4096,
+                              pool_kv_tokens=0)
+    p = CheckpointPlanner(policy, hash_unit=64, stats_log_interval=0,
+                          pool_state=lambda: dict(pages=100, used=60, free=40))
+    p.finished("old", [f"h{i}" for i in range(10)], [])
+    p.plan("a", 700, [f"h{i}" for i in range(10)], hit=640, kv_reach=640)
+    p.admitted("a", 640)
+    d = diagnose("\n".join(p.stats_lines()))
+    assert (d.source, d.binds) == ("plugin", "neither")
+    assert d.values["Shared Pool"] == dict(pages=100, used=60, free=40, states_written=0,
+                                           states_read=1)
+    assert d.values["Cache Stats"]["cached"] == 640
+
+
+def test_a_plugin_set_without_its_pool_line_names_it():
+    log = "\n".join(line for line in PLUGIN_KV_BOUND.splitlines() if "[Shared Pool]" not in line)
+    with pytest.raises(ValueError, match=r"\(the replay planner's lines\) or \[Cache Stats\], "
+                                         r"\[Cache Pools\], \[Shared Pool\]"):
+        diagnose(log)

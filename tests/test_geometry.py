@@ -6,14 +6,9 @@ import dataclasses
 
 import pytest
 
-from atom_hybrid_cache.replay.geometry import (
-    GEOMETRY_PRESETS,
-    MemorySplit,
-    geometry_from_args,
-    shared_pool_layout,
-    shared_pool_split,
-    split_budget,
-)
+from atom_hybrid_cache.replay.geometry import GEOMETRY_PRESETS, geometry_from_args
+from atom_hybrid_cache.replay.memory_split import (MemorySplit, shared_pool_layout,
+                                                   shared_pool_split, split_budget)
 
 GIB = 2**30
 

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from atom_hybrid_cache.config import (CacheConfig, ConfigError, PlacementConfig,
+from atom_hybrid_cache.config import (ConfigError, PlacementConfig, ReplayPoolConfig, Settings,
                                       apply_env)
 from atom_hybrid_cache.core.hashing import ROOT_PARENT, hash_block, hash_blocks, split_full_blocks
 from atom_hybrid_cache.core.manager import HybridCacheManager, Request
@@ -35,7 +35,7 @@ def make_cfg(**kw):
     c = {"block_size": B, "num_kv_blocks": 64, "max_num_seqs": 4, "num_spec": 0,
          "state_checkpoint_slots": 8, "successor_room": 1, "strict_stats": True}
     c.update(kw)
-    return CacheConfig(placement=PlacementConfig(**p), **c)
+    return ReplayPoolConfig(placement=PlacementConfig(**p), **c)
 
 
 def make_manager(warnings=None, **kw):
@@ -127,7 +127,7 @@ def test_kv_hit_without_checkpoint_never_resumes():
     r = make_req("a3", A)
     assert len(m.kv.prefix_blocks(r.block_hashes, r.block_tokens, 4)) == 4  # KV all there
     adm = admit(m, r)
-    assert adm.compressed == 16
+    assert adm.kv_reach == 16
     assert adm.hit_tokens == 0 and r.num_computed == 0
     assert adm.resume_kind is None and r.resumed_from is None
     assert m.stats.as_dict()["lost_to_checkpoint"] - lost == 16
@@ -143,7 +143,7 @@ def test_no_checkpoint_slot_means_no_resume():
     assert m.stats.written_by_kind == {}
     m.finish(r)
     r, adm, _ = serve(m, "a2", A)
-    assert adm.compressed == 16 and adm.hit_tokens == 0
+    assert adm.kv_reach == 16 and adm.hit_tokens == 0
     assert m.stats.as_dict()["lost_to_checkpoint"] == 16
 
 
@@ -177,7 +177,7 @@ def test_last_block_never_reused(L, expected):
     anchor = max(0, (L - 1 - 1) // B * B)  # floor((L - room - margin)/B)*B
     assert expected == anchor
     assert adm.hit_tokens == anchor < L
-    assert adm.compressed == (L - 1) // B * B  # never the block holding the last token
+    assert adm.kv_reach == (L - 1) // B * B  # never the block holding the last token
 
 
 def test_checkpoint_covering_the_whole_prompt_is_not_used():
@@ -189,7 +189,7 @@ def test_checkpoint_covering_the_whole_prompt_is_not_used():
     r = make_req("exact", P)
     assert m.state.has(r.block_hashes[3])       # a state after all 16 tokens exists
     adm = admit(m, r)
-    assert adm.compressed == 12 and adm.hit_tokens == 0
+    assert adm.kv_reach == 12 and adm.hit_tokens == 0
 
 
 # -- interval modes ---------------------------------------------------------
@@ -216,7 +216,7 @@ def test_interval_zero_writes_nothing_and_never_hits():
         r, adm, _ = serve(m, f"a{i}", A)
         assert adm.hit_tokens == 0
         if i:
-            assert adm.compressed == 28
+            assert adm.kv_reach == 28
         decode(m, r, 20, uid=i + 1, step=3)
         m.finish(r)
     assert m.stats.written_by_kind == {}
@@ -267,7 +267,7 @@ def test_interval_snapped_to_zero_turns_checkpointing_off():
     r, _, _ = serve(m, "a1", A)
     m.finish(r)
     _, adm, _ = serve(m, "a2", A)
-    assert adm.hit_tokens == 0 and adm.compressed == 16
+    assert adm.hit_tokens == 0 and adm.kv_reach == 16
     assert m.state.num_checkpoints == 0 and m.stats.written_by_kind == {}
 
 
@@ -281,7 +281,7 @@ def test_demand_rung_planned_at_kv_prefix_end():
     m.finish(ra)
     rb = make_req("b", P + toks(2, 20))
     adm = admit(m, rb)
-    assert adm.compressed == 20 and adm.hit_tokens == 16  # KV outran the checkpoints
+    assert adm.kv_reach == 20 and adm.hit_tokens == 16  # KV outran the checkpoints
     assert rb.targets.kinds == {20: "demand", 36: "anchor"}
     assert prefill(m, rb) == [4, 16, 4]
     info = m.state.info(rb.block_hashes[4])
@@ -340,7 +340,7 @@ def test_insurance_fallback_below_anchor_from_the_threshold():
     m = make_manager(insure_recompute_tokens=30, **one_block)  # recomputes 30 >= 30
     r = make_req("a", A)
     admit(m, r)
-    assert r.targets.kinds == {24: "fallback", 28: "anchor"}
+    assert r.targets.kinds == {24: "insurance", 28: "anchor"}
     m = make_manager(insure_recompute_tokens=31, **one_block)  # recomputes 30 < 31
     r = make_req("a", A)
     admit(m, r)
@@ -354,7 +354,7 @@ def test_insurance_distance_rounds_up_to_whole_blocks_at_least_one(distance, exp
     m = make_manager(insure_recompute_tokens=1, insure_distance_tokens=distance)
     r = make_req("a", toks(1, 30))  # anchor at 28
     admit(m, r)
-    assert r.targets.kinds == {expected: "fallback", 28: "anchor"}
+    assert r.targets.kinds == {expected: "insurance", 28: "anchor"}
 
 
 def test_insurance_needs_room_above_the_hit():
@@ -381,9 +381,13 @@ def test_insurance_threshold_zero_means_never():
 DEMAND = "ATOM_STATE_CHECKPOINT_DEMAND"
 
 
+def make_settings(**placement) -> Settings:
+    return Settings(placement=PlacementConfig(**placement))
+
+
 @pytest.mark.parametrize("base", [True, False])
 def test_env_demand_unset_leaves_it_unchanged(base):
-    cfg = make_cfg(demand=base)
+    cfg = make_settings(demand=base)
     assert apply_env(cfg, {}).placement.demand is base
     assert apply_env(cfg, {"PATH": "/bin", "HOME": "/x"}).placement.demand is base
 
@@ -392,14 +396,14 @@ def test_env_demand_unset_in_process_environment(monkeypatch):
     import os
     for var in [v for v in os.environ if v.startswith("ATOM_")]:
         monkeypatch.delenv(var)
-    assert apply_env(make_cfg(demand=False)).placement.demand is False
+    assert apply_env(make_settings(demand=False)).placement.demand is False
     monkeypatch.setenv(DEMAND, "1")
-    assert apply_env(make_cfg(demand=False)).placement.demand is True
+    assert apply_env(make_settings(demand=False)).placement.demand is True
 
 
 @pytest.mark.parametrize("base", [True, False])
 def test_env_demand_one_and_zero(base):
-    cfg = make_cfg(demand=base)
+    cfg = make_settings(demand=base)
     assert apply_env(cfg, {DEMAND: "1"}).placement.demand is True
     assert apply_env(cfg, {DEMAND: "0"}).placement.demand is False
     # nothing else changes
@@ -409,27 +413,27 @@ def test_env_demand_one_and_zero(base):
 @pytest.mark.parametrize("raw", ["yes", "true", "", "2"])
 def test_env_demand_other_values_rejected(raw):
     with pytest.raises(ConfigError, match=DEMAND):
-        apply_env(make_cfg(), {DEMAND: raw})
+        apply_env(make_settings(), {DEMAND: raw})
 
 
 def test_env_unknown_atom_variable_rejected():
     with pytest.raises(ConfigError, match="ATOM_FOO"):
-        apply_env(make_cfg(), {"ATOM_FOO": "1"})
+        apply_env(make_settings(), {"ATOM_FOO": "1"})
 
 
 def test_env_interval_not_an_integer_rejected():
     with pytest.raises(ConfigError, match="ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS"):
-        apply_env(make_cfg(), {"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "abc"})
+        apply_env(make_settings(), {"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": "abc"})
 
 
 def test_env_interval_parsed():
-    cfg = apply_env(make_cfg(), {"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": " 64 "})
+    cfg = apply_env(make_settings(), {"ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS": " 64 "})
     assert cfg.placement.interval_tokens == 64
 
 
 def test_env_negative_slots_rejected_naming_the_setting():
     with pytest.raises(ConfigError, match="state_checkpoint_slots"):
-        apply_env(make_cfg(), {"ATOM_STATE_CHECKPOINT_SLOTS": "-1"})
+        apply_env(make_settings(), {"ATOM_STATE_CHECKPOINT_SLOTS": "-1"})
 
 
 # -- orphaning -------------------------------------------------------------------
@@ -612,7 +616,7 @@ def test_stats_nest_past_the_oracle_limit():
     A = toks(1, 20)
     r, _, _ = serve(m, "a1", A)
     m.finish(r)
-    serve(m, "a2", A)  # compressed 16 tokens, the oracle only knows 1 block
+    serve(m, "a2", A)  # KV reaches 16 tokens, the oracle only knows 1 block
 
 
 def test_stats_lines_format_and_diagnose_parses_them():
@@ -622,9 +626,9 @@ def test_stats_lines_format_and_diagnose_parses_them():
     m.finish(r)
     serve(m, "a2", A)
     lines = m.stats_lines()
-    assert len(lines) == 5
+    assert len(lines) == 6
     tags = ["[Cache Stats]", "[Cache Pools]", "[Cache Freq]", "[Checkpoint Fates]",
-            "[Pool Pressure]"]
+            "[Pool Pressure]", "[Checkpoint Kinds]"]
     for line, tag in zip(lines, tags):
         assert line.startswith(tag)
     d = diagnose("\n".join(lines))
@@ -643,7 +647,7 @@ def test_stats_lines_logged_every_interval():
     r, _, _ = serve(m, "a", [1, 2, 3])
     assert logged == []
     serve(m, "b", [4, 5, 6])
-    assert len(logged) == 5 and logged[0].startswith("[Cache Stats]")
+    assert len(logged) == 6 and logged[0].startswith("[Cache Stats]")
 
 
 # -- bad config -------------------------------------------------------------------------------
@@ -657,14 +661,14 @@ def test_stats_lines_logged_every_interval():
 ])
 def test_bad_cache_config_names_the_setting(kw, name):
     with pytest.raises(ConfigError, match=name):
-        CacheConfig(**kw)
+        ReplayPoolConfig(**kw)
 
 
 def test_unknown_eviction_policy_names_the_setting():
     with pytest.raises(ConfigError, match="eviction"):
-        CacheConfig(placement=PlacementConfig(eviction="fifo"))
+        ReplayPoolConfig(placement=PlacementConfig(eviction="fifo"))
 
 
 def test_interval_below_minus_one_names_the_setting():
     with pytest.raises(ConfigError, match="state_checkpoint_interval_tokens"):
-        CacheConfig(placement=PlacementConfig(interval_tokens=-2))
+        ReplayPoolConfig(placement=PlacementConfig(interval_tokens=-2))

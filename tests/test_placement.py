@@ -167,7 +167,7 @@ def _cold_targets(L, hit, checkpoint_kv_tokens=0, **placement):
     from atom_hybrid_cache.config import PlacementConfig
     from atom_hybrid_cache.core.placement import plan_checkpoints
 
-    t = plan_checkpoints(L, 32, hit=hit, compressed=hit, reusable=hit, kv_share_tokens=1 << 20,
+    t = plan_checkpoints(L, 32, hit=hit, kv_reach=hit, reusable=hit, kv_share_tokens=1 << 20,
                          placement=PlacementConfig(**placement), successor_room=1, interval=-1,
                          checkpoint_kv_tokens=checkpoint_kv_tokens)
     return dict(t.kinds)
@@ -176,26 +176,26 @@ def _cold_targets(L, hit, checkpoint_kv_tokens=0, **placement):
 def test_a_cold_prompt_keeps_a_checkpoint_at_each_cold_fraction():
     # a conversation's first prompt, 2,408 tokens: 0.875 of it is 2,107,
     # floored to the 32-token block; the anchor sits at the last block
-    assert _cold_targets(2408, 0, cold_fractions=(0.875,)) == {2080: "fallback", 2400: "anchor"}
+    assert _cold_targets(2408, 0, cold_fractions=(0.875,)) == {2080: "cold", 2400: "anchor"}
     assert _cold_targets(2408, 0, cold_fractions=(0.5, 0.875)) == {
-        1184: "fallback", 2080: "fallback", 2400: "anchor"}
+        1184: "cold", 2080: "cold", 2400: "anchor"}
     # resumed below half its length (a restart after a cut): still cold
-    assert _cold_targets(2408, 1184, cold_fractions=(0.875,)) == {2080: "fallback", 2400: "anchor"}
+    assert _cold_targets(2408, 1184, cold_fractions=(0.875,)) == {2080: "cold", 2400: "anchor"}
 
 
 def test_no_cold_checkpoint_below_four_checkpoints_worth_of_kv():
     # a checkpoint the KV of 288 tokens: none below 4 x 288 = 1,152
     assert _cold_targets(2408, 0, 288, cold_fractions=(0.5, 0.875)) == {
-        1184: "fallback", 2080: "fallback", 2400: "anchor"}
+        1184: "cold", 2080: "cold", 2400: "anchor"}
     # of 300 tokens: none below 1,200, so 1,184 goes
     assert _cold_targets(2408, 0, 300, cold_fractions=(0.5, 0.875)) == {
-        2080: "fallback", 2400: "anchor"}
+        2080: "cold", 2400: "anchor"}
     # the floor is for the cold ladder only: the anchor stays
     assert _cold_targets(2408, 0, 1000, cold_fractions=(0.5, 0.875)) == {2400: "anchor"}
 
 
 def test_a_pool_of_fewer_than_100_checkpoints_keeps_no_cold_ladder():
-    from atom_hybrid_cache.core.placement import affordable_cold_fractions
+    from atom_hybrid_cache.core.pool_budget import affordable_cold_fractions
     assert affordable_cold_fractions((0.5, 0.875), 100 * 384, 384) == (0.5, 0.875)
     assert affordable_cold_fractions((0.5, 0.875), 100 * 384 - 1, 384) == ()
     # a checkpoint of unknown cost: no limit
@@ -203,33 +203,34 @@ def test_a_pool_of_fewer_than_100_checkpoints_keeps_no_cold_ladder():
 
 
 def test_the_core_manager_drops_an_unaffordable_cold_ladder_and_says_so():
-    from atom_hybrid_cache.config import CacheConfig, PlacementConfig
+    from atom_hybrid_cache.config import PlacementConfig, ReplayPoolConfig
     from atom_hybrid_cache.core.manager import HybridCacheManager
     said = []
     cold = PlacementConfig(cold_fractions=(0.5, 0.875))
     # 64 blocks of 16 tokens: 1,008 tokens of KV; a checkpoint of 16 is 63 of them
-    small = HybridCacheManager(CacheConfig(num_kv_blocks=64, placement=cold,
-                                           checkpoint_kv_tokens=16), warn=said.append)
-    assert small.placement.cold_fractions == ()
+    small = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=64, placement=cold,
+                                                checkpoint_kv_tokens=16), warn=said.append)
+    assert small.policy.placement.cold_fractions == ()
     assert said == ["cold ladder off: the KV pool (1,008 tokens) holds 63 checkpoints' worth, "
                     "under 100"]
-    roomy = HybridCacheManager(CacheConfig(num_kv_blocks=128, placement=cold,
-                                           checkpoint_kv_tokens=16), warn=said.append)
-    assert roomy.placement.cold_fractions == (0.5, 0.875) and len(said) == 1
+    roomy = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=128, placement=cold,
+                                                checkpoint_kv_tokens=16), warn=said.append)
+    assert roomy.policy.placement.cold_fractions == (0.5, 0.875) and len(said) == 1
 
 
 def test_a_small_pool_drops_the_floor_states_too_and_names_what_it_dropped():
     from atom_hybrid_cache.config import PlacementConfig
-    from atom_hybrid_cache.core.placement import placement_for_pool
+    from atom_hybrid_cache.core.pool_budget import drop_unaffordable
     said = []
-    both = PlacementConfig(cold_fractions=(0.5,), floor_fractions=(0.25, 0.5))
-    assert placement_for_pool(both, 100 * 384, 384, said.append) is both and said == []
-    small = placement_for_pool(both, 99 * 384, 384, said.append)
-    assert (small.cold_fractions, small.floor_fractions) == ((), ())
+    cold = PlacementConfig(cold_fractions=(0.5,))
+    floors = (0.25, 0.5)
+    assert drop_unaffordable(cold, floors, 100 * 384, 384, said.append) == (cold, floors)
+    assert said == []
+    small, small_floors = drop_unaffordable(cold, floors, 99 * 384, 384, said.append)
+    assert (small.cold_fractions, small_floors) == ((), ())
     assert said == ["cold ladder and floor states off: the KV pool (38,016 tokens) holds 99 "
                     "checkpoints' worth, under 100"]
-    floors_only = PlacementConfig(floor_fractions=(0.5,))
-    assert placement_for_pool(floors_only, 10 * 384, 384, said.append).floor_fractions == ()
+    assert drop_unaffordable(PlacementConfig(), (0.5,), 10 * 384, 384, said.append)[1] == ()
     assert said[-1].startswith("floor states off: the KV pool (3,840 tokens)")
 
 
@@ -247,13 +248,13 @@ def test_a_prompt_keeps_a_checkpoint_at_each_span_fraction_its_prefill_covers():
     # 2,107, floored to the 32-token block: 1,184 and 2,080
     span = {"span_fractions": (0.5, 0.875)}
     # computed from 0: both, as COLD would place them
-    assert _cold_targets(2408, 0, **span) == {1184: "fallback", 2080: "fallback", 2400: "anchor"}
+    assert _cold_targets(2408, 0, **span) == {1184: "span", 2080: "span", 2400: "anchor"}
     # a turn that appended 1,108 tokens to a 1,300-token prefix: not cold,
     # so COLD places nothing, but its span covers 0.875
     assert _cold_targets(2408, 1300, cold_fractions=(0.5, 0.875)) == {2400: "anchor"}
-    assert _cold_targets(2408, 1300, **span) == {2080: "fallback", 2400: "anchor"}
+    assert _cold_targets(2408, 1300, **span) == {2080: "span", 2400: "anchor"}
     # a resume exactly at a fraction writes nothing there (the state exists)
-    assert _cold_targets(2408, 1184, **span) == {2080: "fallback", 2400: "anchor"}
+    assert _cold_targets(2408, 1184, **span) == {2080: "span", 2400: "anchor"}
     # a short turn covers none of them
     assert _cold_targets(2543, 2400, **span) == {2528: "anchor"}
     # off by default

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from atom_hybrid_cache.replay.token_expander import TokenExpander
 from atom_hybrid_cache.replay.traces import (
     Conversation,
-    TokenExpander,
     TraceRequest,
     default_sample_paths,
     load_cc_trace,

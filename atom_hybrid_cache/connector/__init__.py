@@ -1,1 +1,1 @@
-"""LMCache connector for KV plus state checkpoints (see the connector issue)."""
+"""KV connectors: what vLLM's `--kv-transfer-config` names."""

@@ -1,10 +1,11 @@
-"""Admission and lifecycle of hybrid requests over the KV pool and the
-state slot pool.
+"""The replay planner's hybrid block manager: admission and lifecycle of
+requests over its own KV pool and state slot pool.
 
 A request may resume at a prefix boundary only where BOTH the KV blocks and
 a state checkpoint exist: the recurrent state is a fold over every token, so
 a KV hit without a state at the same boundary is worthless (resuming from
-anywhere else gives wrong output, silently).
+anywhere else gives wrong output, silently). Where checkpoints go is the
+pool's `CheckpointPolicy`, the object the vLLM adapter's planner asks too.
 """
 
 from __future__ import annotations
@@ -13,19 +14,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..config import CacheConfig
+from ..config import ReplayPoolConfig
 from .hashing import ROOT_PARENT
+from .kinds import GUESS_KINDS, PROTECTED_KINDS, CheckpointKind
 from .kv_pool import KVBlockPool
-from .placement import (CheckpointTargets, chunk_end, is_rung, ladder_positions,
-                        placement_for_pool, plan_checkpoints, resume_cap_blocks, snap_interval)
+from .oracle import PrefixOracle
+from .placement import CheckpointTargets, chunk_end, is_rung, ladder_positions, resume_cap_blocks
+from .policy import CheckpointPolicy
 from .state_pool import CheckpointInfo, StateSlotPool
 from .stats import CacheStats, format_stats_lines
 
 logger = logging.getLogger("atom_hybrid_cache")
-
-# Checkpoint kinds filed at the LRU head: placed on a guess, they must earn
-# their slot by being read.
-GUESS_KINDS = frozenset({"demand", "ladder", "decode"})
 
 
 @dataclass
@@ -68,7 +67,7 @@ class Request:
 class Admission:
     hit_tokens: int
     reusable: int
-    compressed: int
+    kv_reach: int
     wanted: int
     resume_kind: Optional[str]
 
@@ -76,29 +75,30 @@ class Admission:
 class HybridCacheManager:
     """The hybrid block manager: KV blocks, state slots, checkpoint policy."""
 
-    def __init__(self, cfg: CacheConfig, *, warn: Callable[[str], None] = logger.warning,
+    def __init__(self, cfg: ReplayPoolConfig, *, warn: Callable[[str], None] = logger.warning,
                  log: Callable[[str], None] = logger.info,
                  oracle_limit: Optional[int] = None) -> None:
         self.cfg = cfg
         self.block_size = cfg.block_size
         p = cfg.placement
-        self.interval = snap_interval(p.interval_tokens, cfg.block_size, warn)
-        self.checkpointing = self.interval != 0
+        pool_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size
+        self.policy = CheckpointPolicy(
+            p, block_size=cfg.block_size, kv_share_tokens=pool_tokens // cfg.max_num_seqs,
+            pool_kv_tokens=pool_tokens, checkpoint_kv_tokens=cfg.checkpoint_kv_tokens,
+            successor_room=cfg.successor_room, warn=warn)
+        self.interval = self.policy.interval
+        self.checkpointing = self.policy.checkpointing
         self.kv = KVBlockPool(cfg.num_kv_blocks, on_drop=self._on_kv_drop)
         protected_cap = cfg.max_num_seqs * p.protected_per_seq if p.eviction == "reuse-aware" else 0
         self.state = StateSlotPool(cfg.num_state_slots, protected_cap)
         self.stats = CacheStats(strict=cfg.strict_stats)
         self._log = log
-        # Every block hash ever indexed, for `reusable` (what an unbounded
-        # cache would hold). Bounded so a long-running server cannot grow it
-        # without limit; past the bound `reusable` under-counts, never over.
-        self._seen: set[int] = set()
-        self._seen_limit = oracle_limit if oracle_limit is not None else 16 * cfg.num_kv_blocks
-        self.kv_share_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size // cfg.max_num_seqs
-        self.placement = placement_for_pool(p, (cfg.num_kv_blocks - 1) * cfg.block_size,
-                                            cfg.checkpoint_kv_tokens, warn)
+        # every block hash ever indexed, for `reusable`
+        self.oracle = PrefixOracle(oracle_limit if oracle_limit is not None
+                                   else 16 * cfg.num_kv_blocks)
         self.running: dict[object, Request] = {}
-        self._protected_kinds = frozenset(p.protected_kinds)
+        self._protected_kinds = frozenset(
+            PROTECTED_KINDS if p.protected_kinds is None else p.protected_kinds)
 
     # -- admission -----------------------------------------------------
     def admit(self, req: Request) -> Optional[Admission]:
@@ -110,26 +110,26 @@ class HybridCacheManager:
         cap = resume_cap_blocks(L, B, self.cfg.successor_room)
         hashes = req.block_hashes
         hit_blocks = self.kv.prefix_blocks(hashes, req.block_tokens, cap, ROOT_PARENT)
-        compressed = len(hit_blocks)
+        kv_reach = len(hit_blocks)
         # KV blocks already in the pool are taken as they are even above the
         # usable hit: their content is exact, only the state must be rebuilt.
         reclaimable_free = sum(1 for b in hit_blocks if self.kv.ref_cnt[b] == 0)
-        need_new = n_prompt_blocks - compressed
+        need_new = n_prompt_blocks - kv_reach
         if need_new > self.kv.num_free - reclaimable_free:
             return None
         slots = self.state.take_working(req.request_id, 1 + self.cfg.num_spec)
         if slots is None:
             return None
         # Only now: taking working slots may have evicted a checkpoint.
-        usable = self._usable_blocks(hashes, compressed)
+        usable = self._usable_blocks(hashes, kv_reach)
         self.kv.acquire(hit_blocks)
         req.blocks = hit_blocks + self.kv.allocate(need_new)
         req.working_slots = slots
         req.admitted = True
 
         # Past the oracle's bound `reusable` may under-count; the KV index
-        # itself is proof that at least `compressed` blocks were reusable.
-        reusable = max(self._oracle_blocks(hashes, cap), compressed)
+        # itself is proof that at least `kv_reach` blocks were reusable.
+        reusable = max(self.oracle.reach(hashes, cap), kv_reach)
         resume_kind = None
         if usable:
             h = hashes[usable - 1]
@@ -146,15 +146,16 @@ class HybridCacheManager:
         hit = usable * B
         req.hit_tokens = hit
         req.num_computed = hit
-        self.stats.record_admission(L, reusable * B, compressed * B, compressed * B, hit)
+        self.stats.record_admission(L, reusable * B, kv_reach * B, kv_reach * B, hit)
         self.stats.computed_prefill_tokens += L - hit
         if self.checkpointing and not self.cfg.kv_only_ceiling:
-            self._plan(req, usable, compressed, reusable)
+            req.targets = self.policy.plan(L, hit=usable * B, kv_reach=kv_reach * B,
+                                           reusable=reusable * B)
         self.running[req.request_id] = req
         if self.cfg.stats_log_interval and self.stats.admissions % self.cfg.stats_log_interval == 0:
             for line in self.stats_lines():
                 self._log(line)
-        return Admission(hit, reusable * B, compressed * B, compressed * B, resume_kind)
+        return Admission(hit, reusable * B, kv_reach * B, kv_reach * B, resume_kind)
 
     def _usable_blocks(self, hashes: Sequence[int], limit: int) -> int:
         """Longest prefix <= limit blocks ending at a state checkpoint.
@@ -168,23 +169,6 @@ class HybridCacheManager:
             if hashes[j - 1] in index:
                 return j
         return 0
-
-    def _oracle_blocks(self, hashes: Sequence[int], cap: int) -> int:
-        seen = self._seen
-        n = 0
-        for i in range(cap):
-            if hashes[i] not in seen:
-                break
-            n += 1
-        return n
-
-    def _plan(self, req: Request, usable: int, compressed: int, reusable: int) -> None:
-        B = self.block_size
-        req.targets = plan_checkpoints(
-            req.prompt_len, B, hit=usable * B, compressed=compressed * B, reusable=reusable * B,
-            kv_share_tokens=self.kv_share_tokens, placement=self.placement,
-            successor_room=self.cfg.successor_room, interval=self.interval,
-            checkpoint_kv_tokens=self.cfg.checkpoint_kv_tokens)
 
     # -- prefill -------------------------------------------------------
     def next_chunk(self, req: Request, budget: int) -> int:
@@ -215,14 +199,13 @@ class HybridCacheManager:
         kv = self.kv
         hashes = req.block_hashes
         tokens = req.block_tokens
-        seen = self._seen
+        learn = self.oracle.learn_one
         for i in range(first, last):
             h = hashes[i]
             kv.commit(req.blocks[i], h, hashes[i - 1] if i else ROOT_PARENT, tokens[i])
-            if len(seen) < self._seen_limit:
-                seen.add(h)
+            learn(h)
 
-    def _keep(self, req: Request, pos: int, kind: str) -> None:
+    def _keep(self, req: Request, pos: int, kind: CheckpointKind) -> None:
         h = req.block_hashes[pos // self.block_size - 1]
         if h not in self.kv.hash_to_block:
             # Its KV block is a duplicate of indexed content elsewhere or was
@@ -237,7 +220,7 @@ class HybridCacheManager:
         if slot is None or had:
             return
         self.stats.record_write(kind)
-        if kind == "anchor":
+        if kind == CheckpointKind.ANCHOR:
             req.anchor_hash = h
             if reuse_aware and req.resumed_from is not None and req.resumed_from != h:
                 # This conversation moved on: its previous anchor is history.
@@ -262,7 +245,7 @@ class HybridCacheManager:
         if self.interval > 0 and self.checkpointing:
             for pos in ladder_positions(old, new, self.interval):
                 if pos % B == 0 and is_rung(pos, self.interval):
-                    self._keep(req, pos, "decode")
+                    self._keep(req, pos, CheckpointKind.DECODE)
         return True
 
     # -- release -------------------------------------------------------

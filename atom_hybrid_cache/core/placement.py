@@ -1,23 +1,30 @@
-"""Where state checkpoints go.
+"""Where state checkpoints go: the positions rule of one admitted prompt.
 
 Positions are token counts (the state after that many tokens) and always
 multiples of the KV block size, because a checkpoint is filed under the hash
-of the last block it covers.
+of the last block it covers. `plan_checkpoints` places every kind of
+`kinds.CheckpointKind` a prompt can get at admission:
 
-- prompt-end anchor: agentic clients resend the whole previous prompt and
-  continue it, so the next turn resumes where this prompt ends;
-- demand rung: a request whose KV prefix outran its checkpoints asks for a
-  checkpoint where it wanted to resume, so the next request with that prefix
-  gets it;
-- interval ladder: a rung every N tokens (N > 0), none for N == -1, and no
+- anchor: agentic clients resend the whole previous prompt and continue it,
+  so the next turn resumes where this prompt ends;
+- insurance: a little below the anchor of a long recompute (clients rewrite
+  the last few blocks now and then);
+- demand: where the request's KV prefix outran its checkpoints;
+- cut: some way below a KV tail cut, for the next similar cut;
+- fallback: fixed fractions of the request's pool share, in prompts longer
+  than that share;
+- cold: fractions of a prompt computed from scratch;
+- span: fractions of a prompt inside the span its prefill computes;
+- ladder: a rung every N tokens (N > 0), none for N == -1, and no
   checkpoints at all for N == 0.
 """
 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 from typing import Callable, Optional
+
+from .kinds import CheckpointKind
 
 # interval values with a meaning of their own
 INTERVAL_OFF = 0
@@ -86,7 +93,7 @@ class CheckpointTargets:
         self.positions: list[int] = []
         self.kinds: dict[int, str] = {}
 
-    def add(self, position: int, kind: str) -> None:
+    def add(self, position: int, kind: CheckpointKind) -> None:
         if position <= 0 or position in self.kinds:
             return
         bisect.insort(self.positions, position)
@@ -102,7 +109,7 @@ class CheckpointTargets:
             return self.positions[i]
         return None
 
-    def pop_through(self, hi: int) -> list[tuple[int, str]]:
+    def pop_through(self, hi: int) -> list[tuple[int, CheckpointKind]]:
         """Remove and return targets at or below hi, in order."""
         i = bisect.bisect_right(self.positions, hi)
         done = self.positions[:i]
@@ -124,58 +131,15 @@ COLD_PROMPT_MAX_HIT_FRACTION = 0.5
 # rewrites into its first prompt in the shared traces).
 COLD_MIN_SAVING = 4
 
-# The cold ladder's and the floors' states are insurance, most never read,
-# and each takes its pages from the live prefixes. A pool holding fewer
-# checkpoints' worth of KV than this runs without them: on the measured
-# pools of 21 and 30 (63 pages for 4 conversations, 91 for 2) the ladder
-# cost a fifth to a third of their hits; from 150 up (every other workload
-# measured) it gained on average. The admission gate's default (`auto`)
-# follows the same line: it lost 7% and 18% of the hits on those two pools,
-# and gained under pressure on every workload from 199 up.
-MIN_POOL_CHECKPOINTS = 100
-
-
-def pool_under_minimum(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> bool:
-    """Whether a pool of `pool_kv_tokens` tokens of KV holds fewer than
-    MIN_POOL_CHECKPOINTS checkpoints of `checkpoint_kv_tokens` (0: unknown,
-    never under)."""
-    return bool(checkpoint_kv_tokens) and (
-        pool_kv_tokens < MIN_POOL_CHECKPOINTS * checkpoint_kv_tokens)
-
-
-def affordable_cold_fractions(fractions: tuple, pool_kv_tokens: int,
-                              checkpoint_kv_tokens: int) -> tuple:
-    """`fractions`, or () where the pool is under the minimum
-    (`pool_under_minimum`)."""
-    return () if pool_under_minimum(pool_kv_tokens, checkpoint_kv_tokens) else fractions
-
-
-def placement_for_pool(placement, pool_kv_tokens: int, checkpoint_kv_tokens: int,
-                       warn: Callable[[str], None]):
-    """`placement` without its cold ladder and floor states where the pool
-    cannot afford them (`affordable_cold_fractions`), saying so through
-    `warn`."""
-    dropped = [name for name, fractions in (("cold ladder", placement.cold_fractions),
-                                            ("floor states", placement.floor_fractions))
-               if fractions and not affordable_cold_fractions(fractions, pool_kv_tokens,
-                                                              checkpoint_kv_tokens)]
-    if not dropped:
-        return placement
-    warn(f"{' and '.join(dropped)} off: the KV pool ({pool_kv_tokens:,} tokens) holds "
-         f"{pool_kv_tokens // checkpoint_kv_tokens} checkpoints' worth, under "
-         f"{MIN_POOL_CHECKPOINTS}")
-    return dataclasses.replace(placement, cold_fractions=(), floor_fractions=())
-
-
-def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: int,
+def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, kv_reach: int,
                      reusable: int, kv_share_tokens: int, placement, successor_room: int,
                      interval: int, checkpoint_kv_tokens: int = 0) -> CheckpointTargets:
     """The checkpoints one admitted prompt should leave behind.
 
     All lengths are tokens, multiples of `block_size` except `prompt_len`:
-    `hit` is where the request resumes (KV and state), `compressed` how far
+    `hit` is where the request resumes (KV and state), `kv_reach` how far
     its KV prefix alone reached, `reusable` how far an unbounded cache would
-    have reached (the excess over `compressed` is a KV tail cut), and
+    have reached (the excess over `kv_reach` is a KV tail cut), and
     `kv_share_tokens` one request slot's share of the KV pool, and
     `checkpoint_kv_tokens` how many tokens of KV one checkpoint's bytes
     would hold (0: unknown). The replay manager and the vLLM scheduler both
@@ -187,22 +151,22 @@ def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: 
     t = CheckpointTargets()
     anchor = anchor_position(L, B, successor_room, p.anchor_margin_tokens) if p.anchor else 0
     if anchor > hit:
-        t.add(anchor, "anchor")
+        t.add(anchor, CheckpointKind.ANCHOR)
         below = anchor - max(B, -(-p.insure_distance_tokens // B) * B)
         if p.insure_recompute_tokens and L - hit >= p.insure_recompute_tokens and below > hit:
             # A lost anchor costs this whole recompute again; the usual
             # loss is the client rewriting the last few blocks, so insure
             # a little lower.
-            t.add(below, "fallback")
-    if p.demand and compressed > hit:
-        t.add(compressed, "demand")
-    if hit < compressed < reusable:
+            t.add(below, CheckpointKind.INSURANCE)
+    if p.demand and kv_reach > hit:
+        t.add(kv_reach, CheckpointKind.DEMAND)
+    if hit < kv_reach < reusable:
         # The KV pool cut this conversation's tail. The next turn will
         # most likely find a similar cut, so keep states some way below.
         for f in p.cut_backoffs:
-            pos = int(compressed // B * (1.0 - f)) * B
+            pos = int(kv_reach // B * (1.0 - f)) * B
             if pos > hit:
-                t.add(pos, "cut")
+                t.add(pos, CheckpointKind.CUT)
     if L > kv_share_tokens:
         # Longer than its share of the pool: its tail will be cut. Rungs
         # at fixed fractions of the share (snapped to a coarse grid so
@@ -213,38 +177,40 @@ def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, compressed: 
         for f in p.fallback_fractions:
             pos = int(kv_share_tokens * f) // grid * grid
             if hit < pos < (anchor or L - successor_room):
-                t.add(pos, "fallback")
+                t.add(pos, CheckpointKind.FALLBACK)
     if hit < L * COLD_PROMPT_MAX_HIT_FRACTION:
         # A conversation's start: until it grows, a cut needs a state lower
         # than its next turns' anchors, and a client that rewrites it later
         # (a compaction keeping the system prompt and tools, a retry) keeps
         # part of it. Positions start at COLD_MIN_SAVING checkpoints' worth.
         lowest = COLD_MIN_SAVING * checkpoint_kv_tokens
-        _add_prompt_fractions(t, L, B, p.cold_fractions, max(hit, lowest - 1), L - successor_room)
+        _add_prompt_fractions(t, L, B, p.cold_fractions, max(hit, lowest - 1), L - successor_room,
+                              CheckpointKind.COLD)
     # A conversation's states sit at its turns' prompt ends: a turn that
     # appends much (a large file read, a conversation's start) leaves a gap
     # as wide as what it appended, and a cut inside it under pressure costs
     # all of it. A state at each fraction the span covers gives the
     # release's retain ladder (`retain_fractions`) a state near each of its
     # fractions.
-    _add_prompt_fractions(t, L, B, p.span_fractions, hit, anchor or L - successor_room)
+    _add_prompt_fractions(t, L, B, p.span_fractions, hit, anchor or L - successor_room,
+                          CheckpointKind.SPAN)
     for pos in ladder_positions(hit, L - successor_room, interval):
-        t.add(pos, "ladder")
+        t.add(pos, CheckpointKind.LADDER)
     return t
 
 
 def _add_prompt_fractions(t: CheckpointTargets, prompt_len: int, block_size: int,
-                          fractions, lo: int, hi: int) -> None:
-    """A fallback at each fraction of the prompt, floored to a block, that
-    lies strictly between `lo` and `hi`."""
+                          fractions, lo: int, hi: int, kind: CheckpointKind) -> None:
+    """A checkpoint of `kind` at each fraction of the prompt, floored to a
+    block, that lies strictly between `lo` and `hi`."""
     for f in fractions:
         pos = int(prompt_len * f) // block_size * block_size
         if lo < pos < hi:
-            t.add(pos, "fallback")
+            t.add(pos, kind)
 
 
 def chunk_end(computed: int, budget: int, total: int, targets: CheckpointTargets,
-              interior_readable: bool) -> tuple[int, Optional[str]]:
+              interior_readable: bool) -> tuple[int, Optional[CheckpointKind]]:
     """Where this step's prefill chunk ends, and the kind of target it was
     cut for (None when not cut).
 

@@ -2,7 +2,7 @@
 answer, and the two gates that must follow it together.
 
 The core cuts a prefill chunk onto the earliest pending checkpoint target
-unless `CacheConfig.interior_states_readable` is set; with it set, a chunk
+unless `ReplayPoolConfig.interior_states_readable` is set; with it set, a chunk
 runs to its budget and the core keeps every target the forward passed. The
 model runner must then write each of those targets from inside the forward
 (`store_interior_checkpoints`). Without it, the runner copies the state at
@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from ..config import CacheConfig
+from ..config import ReplayPoolConfig
 from .state_checkpoint import CheckpointWrites
 
 # Whether the kernels of this package can produce the exact state of a
@@ -77,7 +77,7 @@ class CheckpointGates:
         return cls(interior_states_readable(state_classes))
 
     # -- the core's gate ---------------------------------------------------
-    def cache_config(self, cfg: Optional[CacheConfig] = None, **overrides) -> CacheConfig:
+    def cache_config(self, cfg: Optional[ReplayPoolConfig] = None, **overrides) -> ReplayPoolConfig:
         """`cfg` (or a default one with `overrides`) with the chunk-cut gate set
         from this switch; any other value for it is refused."""
         value = self.interior_states_readable
@@ -85,10 +85,10 @@ class CheckpointGates:
             raise ValueError("interior_states_readable comes from the gates, not an override")
         overrides["interior_states_readable"] = value
         if cfg is None:
-            return CacheConfig(**overrides)
+            return ReplayPoolConfig(**overrides)
         return dataclasses.replace(cfg, **overrides)
 
-    def check(self, cfg: CacheConfig) -> None:
+    def check(self, cfg: ReplayPoolConfig) -> None:
         """Refuse a core config whose chunk-cut gate disagrees with this switch."""
         if cfg.interior_states_readable != self.interior_states_readable:
             raise ValueError(

@@ -70,11 +70,11 @@ class AlignEmulationManager:
         full = min(cap, len(req.block_hashes) // self.sub)
         keys = [self._kv_key(req, j) for j in range(full)]
         hit_pages = self.pool.prefix_blocks(keys, keys, full)
-        compressed = len(hit_pages)
+        kv_reach_pages = len(hit_pages)
         usable = 0
         idx = self.pool.hash_to_block
         k = self.pages_per_state
-        for j in range(compressed, 0, -1):
+        for j in range(kv_reach_pages, 0, -1):
             sk = keys[j - 1] ^ _STATE_SALT
             if all(sk + g in idx for g in range(k)):
                 usable = j
@@ -83,7 +83,7 @@ class AlignEmulationManager:
                        if usable else [])
         free_hits = sum(1 for b in hit_pages + state_pages if self.pool.ref_cnt[b] == 0)
         # KV pages of the prompt plus the working state's pages
-        need_new = n_pages - compressed + k
+        need_new = n_pages - kv_reach_pages + k
         if need_new > self.pool.num_free - free_hits:
             return None
         self.pool.acquire(hit_pages)
@@ -92,7 +92,7 @@ class AlignEmulationManager:
             self.pool.acquire(state_pages)
             states += state_pages
             self.reads += 1
-        kv_pages = hit_pages + self.pool.allocate(n_pages - compressed)
+        kv_pages = hit_pages + self.pool.allocate(n_pages - kv_reach_pages)
         states += self.pool.allocate(k)
         self._pages[req.request_id] = (kv_pages, states)
         hit = usable * P
@@ -106,12 +106,12 @@ class AlignEmulationManager:
             reusable_blocks += 1
         # The emulation can only resume at page granularity: `wanted` is the
         # KV prefix at block granularity rounded down to a page.
-        compressed_blocks = self._kv_prefix_blocks(req)
-        reusable = max(reusable_blocks * self.block_size, compressed_blocks * self.block_size)
-        compressed_tok = compressed_blocks * self.block_size
-        wanted = min(compressed * P, compressed_tok)
-        self.stats.record_admission(L, reusable, compressed_tok, wanted, min(hit, wanted))
-        return Admission(hit, reusable, compressed_tok, wanted, "chunk-end" if usable else None)
+        kv_reach_blocks = self._kv_prefix_blocks(req)
+        reusable = max(reusable_blocks * self.block_size, kv_reach_blocks * self.block_size)
+        kv_reach_tok = kv_reach_blocks * self.block_size
+        wanted = min(kv_reach_pages * P, kv_reach_tok)
+        self.stats.record_admission(L, reusable, kv_reach_tok, wanted, min(hit, wanted))
+        return Admission(hit, reusable, kv_reach_tok, wanted, "chunk-end" if usable else None)
 
     def _kv_prefix_blocks(self, req) -> int:
         """KV prefix in blocks: pages are all-or-nothing, so whole pages."""

@@ -19,7 +19,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import CacheConfig, PlacementConfig
+from ..config import ReplayPoolConfig, PlacementConfig
 
 POLICY_NAMES = ("default", "kv-only-ceiling", "no-state-cache", "ladder-8192", "simple", "vllm-align")
 
@@ -27,7 +27,7 @@ POLICY_NAMES = ("default", "kv-only-ceiling", "no-state-cache", "ladder-8192", "
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
-    cache: Optional[CacheConfig]  # None for the emulation
+    cache: Optional[ReplayPoolConfig]  # None for the emulation
     page_tokens: int = 0  # emulation only
     num_pages: int = 0    # emulation only
     pages_per_state: int = 1  # emulation only
@@ -62,8 +62,8 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                              f"blocks next to {slots} state slots")
         return int(n)
 
-    def cfg(placement: PlacementConfig, headroom: int, **kw) -> CacheConfig:
-        return CacheConfig(block_size=block_size, num_kv_blocks=kv_blocks(live + headroom),
+    def cfg(placement: PlacementConfig, headroom: int, **kw) -> ReplayPoolConfig:
+        return ReplayPoolConfig(block_size=block_size, num_kv_blocks=kv_blocks(live + headroom),
                            max_num_seqs=max_num_seqs, num_spec=num_spec,
                            state_checkpoint_slots=headroom, placement=placement,
                            checkpoint_kv_tokens=state_slot_bytes // kv_bytes_per_token, **kw)

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Optional
 
-from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, engine_config
+from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, load_settings
 from ..core.manager import HybridCacheManager, Request
 from .align_emulation import AlignEmulationManager
 from .policies import PolicySpec, build_policies, parse_policy_names
@@ -105,8 +105,8 @@ def to_results(runs, settings: SimSettings) -> list[PolicyResult]:
         results.append(PolicyResult(
             policy=name, hit_rate=hit, ceiling_hit_rate=ceil_hit,
             hit_over_ceiling=_ratio(hit, ceil_hit),
-            paged_hit=_ratio(t.compressed_tokens, t.reusable_tokens),
-            state_hit=_ratio(t.cached_tokens, t.compressed_tokens),
+            paged_hit=_ratio(t.kv_reach_tokens, t.reusable_tokens),
+            state_hit=_ratio(t.cached_tokens, t.kv_reach_tokens),
             writes_per_resumed_hit=_ratio(e["writes"], resumed),
             checkpoint_writes=e["writes"], resumed_hits=resumed, fates=e["fates"],
             prefill_tokens_computed=t.prefill_tokens_computed, prompt_tokens=t.prompt_tokens,
@@ -129,7 +129,8 @@ def _ratio(a, b) -> float:
 
 def load_workload(args) -> tuple[Workload, object]:
     from .geometry import geometry_from_args
-    from .traces import TokenExpander, default_sample_paths, load_traces
+    from .token_expander import TokenExpander
+    from .traces import default_sample_paths, load_traces
     overrides = {}
     for name in ("kv_bytes_per_token", "state_slot_bytes", "max_model_len"):
         v = getattr(args, name, None)
@@ -156,7 +157,7 @@ def placement_from_args(args) -> PlacementConfig:
     states (`config.SERVER_FLOOR_FRACTIONS`) hold pages of vLLM's shared
     pool; the core's manager keeps states in slots by tier and does not
     read ATOM_STATE_CHECKPOINT_FLOOR."""
-    p = engine_config().placement
+    p = load_settings().placement
     if getattr(args, "interval", None) is not None:
         p = dataclasses.replace(p, interval_tokens=args.interval)
     return p
@@ -165,7 +166,7 @@ def placement_from_args(args) -> PlacementConfig:
 def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[str],
             headroom: Optional[int], placement: PlacementConfig, num_spec: int = 0,
             jobs: int = 2, show_progress: bool = False) -> list[PolicyResult]:
-    from .geometry import shared_pool_layout
+    from .memory_split import shared_pool_layout
     s = workload.settings
     budget = int(memory_gib * GIB)
     layout = shared_pool_layout(geometry, budget, page_tokens_multiple=s.block_size)
@@ -184,8 +185,12 @@ def run_replay(args) -> int:
     names = parse_policy_names(",".join(args.policies))
     workload, geometry = load_workload(args)
     placement = placement_from_args(args)
+    # the flag, else ATOM_STATE_CHECKPOINT_SLOTS, else the default per slot
+    headroom = args.state_checkpoint_slots
+    if headroom is None:
+        headroom = load_settings().state_checkpoint_slots
     results = compare(workload, geometry, memory_gib=args.memory_gib, policies=names,
-                      headroom=args.state_checkpoint_slots, placement=placement,
+                      headroom=headroom, placement=placement,
                       num_spec=args.num_spec, jobs=args.jobs, show_progress=not args.no_progress)
     title = (f"replay: {len(workload.conversations)} conversations, model {geometry.name}, "
              f"{args.memory_gib:g} GiB, concurrency {args.concurrency}, block {args.block_size}")

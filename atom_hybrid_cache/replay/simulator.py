@@ -49,7 +49,7 @@ class SimTotals:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     reusable_tokens: int = 0
-    compressed_tokens: int = 0
+    kv_reach_tokens: int = 0
     resumed_hits: int = 0
     resume_kinds: dict = field(default_factory=dict)
     # where resumed hits landed, by position: the previous prompt's end (its
@@ -229,7 +229,7 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
                 totals.prompt_tokens += live.core.prompt_len
                 totals.cached_tokens += adm.hit_tokens
                 totals.reusable_tokens += adm.reusable
-                totals.compressed_tokens += adm.compressed
+                totals.kv_reach_tokens += adm.kv_reach
                 if adm.hit_tokens > 0:
                     totals.resumed_hits += 1
                     k = adm.resume_kind

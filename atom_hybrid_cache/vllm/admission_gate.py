@@ -1,41 +1,15 @@
-"""Admission that does not evict what the waiting requests are about to read
-(a vLLM server's default, `ATOM_ADMISSION_GATE=auto`: on where the KV pool
-holds at least `core.placement.MIN_POOL_CHECKPOINTS` checkpoints' worth;
-`on` forces it, also for attention-only models).
+"""Admission: a waiting prefill that would evict the prefixes the other
+waiting requests are about to read waits (`ATOM_ADMISSION_GATE`, `auto` by
+default: on where the pool holds at least 100 checkpoints' worth).
 
-Why: vLLM admits a waiting request whenever its pages can be found, free or
-evicted from the head of the shared LRU. When a round of resends does not
-fit the pool, that head holds the cached prefixes of the requests still
-waiting in the same queue: the first admissions evict them, each evicted
-prefix is recomputed when its request is admitted, and its new pages evict
-the next. The pages a waiting request reads are needed within steps; the
-pages of the requests that just finished are needed a turn later. The gate
-makes evictions fall on the latter.
-
-Before each `schedule()`, over the requests vLLM could admit this step (the
-first `max_num_seqs - running` waiting ones):
-
-- every cached page of their prefix hits is protected: referenced through
-  `schedule()`, so no allocation of this step can evict it, and given back
-  after it, at the LRU tail (what waits is read next);
-- the room is the evictable pages outside those, less what the running
-  requests still need to finish their prefill;
-- in queue order, a request whose prefill fits the room goes through and
-  takes its pages from the room; one that does not is held out of the
-  queue for this step, until the running requests finish and free theirs;
-- with nothing running and nothing fitting, the request needing the fewest
-  pages goes alone and evicts what it must, so the queue always moves.
-
-A gated step that scheduled nothing (a running request needed more than
-was reserved, say) is followed by one step without the gate, and a request
-held in `MAX_HOLD_STEPS` steps is not held again: under steady traffic
-something always runs, and a large prefill could otherwise wait for ever.
-
-Measured (BENCHMARKS.md, "The admission gate" and "The admission gate by
-default", 0.83x the live working set): on the plan's 14 traces at full
-length the plugin keeps 0.954 of the oracle against 0.941 with vLLM's
-admission, and the attention-only control run with the same gate 0.983
-against 0.940.
+Why: when a round of resends does not fit the pool, the head of vLLM's LRU
+holds the cached prefixes of the requests still waiting; vLLM's first
+admissions evict them, each is recomputed and evicts the next. Before each
+`schedule()` the gate pins the cached pages of the prefix hits in vLLM's
+admission window through the step, and holds what does not fit beside them
+and the running requests' reserve (`core.admission.decide`). A gated step
+that scheduled nothing is followed by one without the gate, and a request
+held `MAX_HOLD_STEPS` times goes through like any other.
 """
 
 from __future__ import annotations
@@ -47,13 +21,9 @@ from dataclasses import dataclass, field
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import ADMISSION_GATE_MAX_HOLD_STEPS as MAX_HOLD_STEPS
+from ..core.admission import (STATE_PAGES_TO_FINISH, GateCandidate, PageGroup, decide,
+                              pages_to_admit, prefill_pages)
 from ..core.stats import CacheStats
-
-# Pages of each state group an admitted prefill takes: the state it writes
-# and the prompt-end copy vLLM keeps. A running prefill already has the
-# first and still takes the second.
-STATE_PAGES_PER_ADMISSION = 2
-STATE_PAGES_TO_FINISH = 1
 
 
 @dataclass
@@ -71,27 +41,19 @@ class _Candidate:
     hit_blocks: tuple
     hit: int
     need: int
-    # its hit pages nobody references (the ones the gate can protect)
-    evictable: list = field(default_factory=list)
+    evictable: list = field(default_factory=list)   # hit pages nobody references
 
 
 class AdmissionGate:
     def __init__(self, stats: CacheStats | None = None) -> None:
-        """`stats`: where the holds are counted (the planner's, so they reach
-        its log lines and the metrics)."""
-        # the previous gated step scheduled nothing: the next one runs ungated
-        self._stalled = False
+        """`stats`: where the holds are counted (the planner's)."""
+        self._stalled = False   # the last gated step scheduled nothing
         self.stats = stats if stats is not None else CacheStats()
         # request id -> steps held, for the requests that can still be held
         self._holds: dict[str, int] = {}
-        # request id -> (pages, tokens): the last gated step's lookups of the
-        # requests whose evictable hit pages it pinned through the step.
-        # Pages are evicted only by a step's allocations, so those hits still
-        # stand at the next step (a request that waits behind a long prefill
-        # is otherwise looked up again in every step of it). One may have
-        # grown since, where another request cached more of a shared prefix;
-        # the gate then sees a larger need than vLLM's own lookup will, and
-        # may hold what could go. What a request reuses is vLLM's lookup.
+        # request id -> (pages, tokens): the last step's lookups whose pages
+        # it pinned; only a step's allocations evict, so they still stand
+        # (one may have grown since: the gate then holds what could go).
         self._lookups: dict = {}
 
     def forget_lookups(self) -> None:
@@ -166,24 +128,16 @@ class AdmissionGate:
                          and not out.total_num_scheduled_tokens)
 
 
-def _pages_for_prefill(managers, tokens: int, held, state_pages: int) -> int:
-    """Pages a prefill to `tokens` still takes: in each attention group those
-    beyond the `held(manager)` it has, in each state group `state_pages`."""
-    return sum(state_pages if isinstance(m.kv_cache_spec, MambaSpec)
-               else max(0, -(-tokens // m.block_size) - held(m)) for m in managers)
-
-
-def _pages_to_admit(managers, request, hit: int) -> int:
-    """Pages the whole prefill of `request` takes beyond its hit."""
-    return _pages_for_prefill(managers, request.num_tokens, lambda m: hit // m.block_size,
-                              STATE_PAGES_PER_ADMISSION)
+def _page_groups(managers) -> list[PageGroup]:
+    return [PageGroup(isinstance(m.kv_cache_spec, MambaSpec), m.block_size) for m in managers]
 
 
 def _running_reserve(managers, running) -> int:
     """Pages the running requests still take to finish their prefill."""
-    return sum(_pages_for_prefill(managers, r.num_prompt_tokens,
-                                  lambda m: len(m.req_to_blocks.get(r.request_id, ())),
-                                  STATE_PAGES_TO_FINISH)
+    groups = _page_groups(managers)
+    return sum(prefill_pages(groups, r.num_prompt_tokens,
+                             lambda g: len(managers[g].req_to_blocks.get(r.request_id, ())),
+                             STATE_PAGES_TO_FINISH)
                for r in running)
 
 
@@ -192,7 +146,7 @@ def _look_up(kvm, window, hits: dict) -> tuple[list, dict]:
     block} of their hit pages that are evictable now, in window order,
     each prefix bottom up. `hits`: lookups that still stand (made this
     step, or remembered from the last)."""
-    managers = kvm.coordinator.single_type_managers
+    groups = _page_groups(kvm.coordinator.single_type_managers)
     candidates, protected = [], {}
     for request in window:
         if request.num_computed_tokens or not kvm.prefix_cache_lookup_enabled(request):
@@ -204,7 +158,7 @@ def _look_up(kvm, window, hits: dict) -> tuple[list, dict]:
         blocks, hit = found
         evictable = [b for group in blocks for b in group if not b.is_null and b.ref_cnt == 0]
         candidates.append(_Candidate(request, blocks, hit,
-                                     _pages_to_admit(managers, request, hit), evictable))
+                                     pages_to_admit(groups, request.num_tokens, hit), evictable))
         for b in evictable:
             protected.setdefault(b.block_id, b)
     return candidates, protected
@@ -224,23 +178,15 @@ def _unprotect_last(candidates, protected: dict, room: int) -> int:
 def _decide(sched, candidates, protected: dict, room: int,
             overdue: frozenset | set = frozenset()) -> GateStep:
     """`overdue`: ids of requests held too long to be held again."""
-    if not sched.running and all(c.need > room for c in candidates):
-        # nothing runs and nothing fits: the smallest goes alone and
-        # evicts what it must (the first overdue one, if any)
-        late = [c for c in candidates if c.request.request_id in overdue]
-        first = late[0] if late else min(candidates, key=lambda c: c.need)
-        return GateStep([], [c.request for c in candidates if c is not first])
     budget = sched.scheduler_config.max_num_batched_tokens - sum(
         max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
-    held = []
-    for c in candidates:
-        if budget <= 0:
-            break   # vLLM does not reach it this step
-        if c.need > room and c.request.request_id not in overdue:
-            held.append(c.request)
-            continue
-        room -= c.need
-        budget -= c.request.num_tokens - c.hit
+    held, alone = decide([GateCandidate(c.need, c.request.num_tokens - c.hit,
+                                        c.request.request_id in overdue) for c in candidates],
+                         room, budget, bool(sched.running))
+    held_requests = [candidates[i].request for i in held]
+    if alone:
+        # the lone request evicts what it must: nothing is pinned
+        return GateStep([], held_requests)
     # given back in reverse: the last request's top pages end up nearest
     # the LRU head, as vLLM frees a request's pages tail first
-    return GateStep(list(protected.values())[::-1], held)
+    return GateStep(list(protected.values())[::-1], held_requests)

@@ -1,13 +1,8 @@
-"""Hits first (`ATOM_ADMISSION_ORDER=hits-first`): among the first
-`max_num_seqs` waiting requests, those that resume on a cached prefix are
-admitted ahead of those that do not, the largest hit first.
-
-Why: vLLM admits in arrival order, and a cold prefill takes the step's
-token budget and allocates its pages before the requests behind it are
-looked up; those pages come from the LRU head, where the prefixes of the
-waiting requests sit. Admitted first, a request holds its prefix. A request
-passed over `max_num_seqs` times keeps its place from then on, so none
-waits without bound.
+"""Admission: hits first (`ATOM_ADMISSION_ORDER=hits-first`). Among the
+first `max_num_seqs` waiting requests, those that resume on a cached prefix
+go first, the largest hit first: vLLM admits in arrival order, and a cold
+prefill ahead of them allocates its pages from the LRU head, where their
+prefixes sit. A request passed over `max_num_seqs` times keeps its place.
 """
 
 from __future__ import annotations

@@ -1,26 +1,14 @@
-"""Floor states: the states a live request holds deep under its prefix
+"""Floor states: each live request holds the states deep under its prefix
 (`ATOM_STATE_CHECKPOINT_FLOOR`, on by default in a vLLM server).
 
-Why: while a request waits in vLLM's admission window or runs, its KV
-prefix is held (referenced by the request, or pinned by the admission
-gate), but the states at lower positions of that prefix are not: they sit
-alone in the LRU where the prefix's last release filed them. When the pool
-is short, a round's new pages come from there first, a state page being all
-that is evictable, and after a few such rounds a 50k-token prefix has KV and
-no state below its top. The next cut of its top then costs all of it: on
-the plan's workload at 0.83x (gate and hits-first), six requests resumed
-from 0 with 13k-50k tokens of KV cached, 159,488 tokens of the 174,144
-lost to missing states (benchmarks/loss_trace.py).
-
-So each live request holds the highest state at or below each floor
-fraction of its prompt, from the first step it is in vLLM's admission
-window (the first `max_num_seqs - running` waiting requests, the same
-window the admission gate looks at) to its release (finished or preempted).
-The release gives the pages back with the request's own, in its units
-(`CheckpointPlanner.eviction_order`), so a floor leaves the LRU only after
-the KV above it. A floor costs one page per state group; a request's floors
-are looked up once, and all held floors together stay under a share of the
-pool (`FLOOR_MAX_POOL_SHARE`).
+Why: a waiting or running request's KV prefix is held, but the states at
+lower positions of it sit alone in the LRU, and under pressure a round's new
+pages come from there first; after a few rounds a long prefix has KV and no
+state below its top, and the next cut of its top costs all of it. So from
+its first step in vLLM's admission window to its release, a request holds
+the highest state at or below each floor fraction of its prompt; the
+release gives them back in its units (`release.free_in_units`). All floors
+together stay under `FLOOR_MAX_POOL_SHARE` of the pool.
 """
 
 from __future__ import annotations
@@ -29,21 +17,21 @@ import itertools
 import logging
 from typing import Sequence
 
+from ..core.stats import CacheStats
 from .state_search import StateSearch
 
 logger = logging.getLogger("atom_hybrid_cache")
 
-# All floors held at once take at most this share of the pool's pages: with
-# hundreds of requests in vLLM's window their floors could otherwise crowd
-# out the prefixes they insure. (No workload in BENCHMARKS.md reaches it:
-# at most max_num_seqs requests hold floors, two states each, 5.3% of the
-# pool on the smallest, 6x4 at 0.83x; 1.6% in the scheduler bench.)
+# With hundreds of requests in vLLM's window, floors could crowd out the
+# prefixes they insure (no measured workload reaches the cap: 5.3% at most).
 FLOOR_MAX_POOL_SHARE = 1 / 16
 
 
 class FloorStates:
     def __init__(self, pool, states: StateSearch, fractions: Sequence[float],
-                 num_pages: int) -> None:
+                 num_pages: int, stats: CacheStats | None = None) -> None:
+        """`stats`: where the requests that hold floors are counted
+        (`floor_holds`: the planner's, so they reach the log lines)."""
         self.pool = pool
         self.states = states
         self.fractions = tuple(fractions)
@@ -53,10 +41,14 @@ class FloorStates:
         # until the request is released)
         self.held: dict[str, list] = {}
         self.held_pages = 0
-        # requests that hold floors / that found some but were refused them
-        # for the pool share
-        self.holds = 0
+        self.stats = stats if stats is not None else CacheStats()
+        # requests that found floors but were refused them for the pool share
         self.refused = 0
+
+    @property
+    def holds(self) -> int:
+        """Requests that held floors."""
+        return self.stats.floor_holds
 
     def hold_window(self, sched) -> None:
         """Hold the floors of the waiting requests vLLM could admit this
@@ -88,7 +80,7 @@ class FloorStates:
         for _, p in found:
             self.pool.touch(p)
         self.held_pages += pages if found else 0
-        self.holds += bool(found)
+        self.stats.floor_holds += bool(found)
         self.held[request.request_id] = found
 
     def release_all_but(self, keep) -> None:

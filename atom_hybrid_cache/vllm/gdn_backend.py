@@ -1,13 +1,8 @@
-"""The GDN attention backend our layers use: vLLM's, plus the interior
-checkpoint targets of each prefill row.
-
-In align mode vLLM's block table has one column per state page; column j
-holds the state after (j + 1) * block_size tokens. Inside a prefill forward
-vLLM leaves those columns null (the forward only stores its final state).
-`AtomStateManager` puts a page at the column of every planned checkpoint
-inside the span instead, so the block table itself says which states this
-forward must write: the non-null columns strictly inside each prefill row's
-span. The builder reads them here, once per step, for every GDN layer.
+"""Metadata: vLLM's GDN attention backend plus each prefill row's interior
+checkpoint targets. In align mode block-table column j holds the state after
+(j + 1) * block_size tokens; inside a prefill forward vLLM leaves those
+columns null, and `AtomInteriorStateManager` puts a page at each planned
+one, so the block table says which states the forward writes.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Our Gated DeltaNet layer for Qwen3-Next / Qwen3.5: vLLM's own, declaring
-`AtomGDNSpec` so the scheduler gives its state groups our manager, and
-writing interior checkpoints from inside prefill forwards where it can.
-
-Registered with `QwenGatedDeltaNetAttention.register_oot`: vLLM swaps the
-class when the model builds the layer (a PluggableLayer, not a CustomOp).
-
-Interior checkpoints (`ATOM_INTERIOR_CHECKPOINTS=on`; off by default, see
-docs/vllm_adapter.md for why) are declared only where this layer has the
+"""Layer: our GDN layer for Qwen3-Next / Qwen3.5, vLLM's own declaring
+`AtomGDNSpec` (so its state groups get our manager) and, on CPU, running its
+core through our op (interior checkpoints, float32). Registered with
+`QwenGatedDeltaNetAttention.register_oot`. Interior checkpoints
+(`ATOM_INTERIOR_CHECKPOINTS=on`) are declared only where the layer has the
 path: vLLM's CPU forward without speculative decoding, in align mode.
-Elsewhere the spec says no, and the scheduler cuts prefill chunks onto the
-checkpoints instead.
 """
 
 from __future__ import annotations
@@ -17,19 +11,21 @@ from __future__ import annotations
 import torch
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention
 from vllm.platforms import current_platform
-from vllm.utils.torch_utils import _encode_layer_name
 
-from ..config import engine_config
+from ..config import load_settings, server_defaults
 from ..kernels.capability import interior_states_readable
+from . import private_api
 from .gdn_backend import AtomGDNBackend
 from .spec import AtomGDNSpec
 
 
 def interior_checkpoints_available(vllm_config) -> bool:
     cache = vllm_config.cache_config
-    return (engine_config(vllm_config.additional_config).interior_checkpoints == "on"
+    settings = load_settings(vllm_config.additional_config, server_defaults())
+    return (settings.server.interior_checkpoints == "on"
             and interior_states_readable(["gated_delta_net"])
             and current_platform.is_cpu()
+            and private_api.feature_on(private_api.CPU_GDN_FORWARD)
             and vllm_config.speculative_config is None
             and cache.enable_prefix_caching and cache.mamba_cache_mode == "align")
 
@@ -37,7 +33,10 @@ def interior_checkpoints_available(vllm_config) -> bool:
 class AtomGDN(QwenGatedDeltaNetAttention):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if current_platform.is_cpu():
+        # the plugin's CPU forward needs vLLM's private CPU GDN helpers
+        self.own_cpu_forward = (current_platform.is_cpu()
+                                and private_api.feature_on(private_api.CPU_GDN_FORWARD))
+        if self.own_cpu_forward:
             from .interior_cpu import register_cpu_op
             register_cpu_op()
 
@@ -52,8 +51,12 @@ class AtomGDN(QwenGatedDeltaNetAttention):
         return AtomGDNBackend
 
     def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """vLLM's CPU forward, calling our core op: it runs vLLM's core and
-        then writes the step's interior checkpoints (if any)."""
+        """vLLM's CPU forward, calling our core op: it runs vLLM's core (or,
+        for dtypes its kernels refuse, the torch core) and then writes the
+        step's interior checkpoints (if any)."""
+        if not self.own_cpu_forward:
+            return super().forward_cpu(hidden_states)
+        from vllm.utils.torch_utils import _encode_layer_name
         mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
         ba, _ = self.in_proj_ba(hidden_states)
         if self.gqa_interleaved_layout:  # Qwen3-Next packs q, k, v, z per k-head group

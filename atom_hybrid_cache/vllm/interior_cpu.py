@@ -1,20 +1,13 @@
-"""Interior checkpoints on vLLM's CPU GDN path.
+"""Layer (CPU): interior checkpoints on vLLM's CPU GDN path.
 
-vLLM's CPU kernel (`chunk_gated_delta_rule_cpu`) returns only the final
-state, so the chunk-boundary states it passes through are not readable.
-Here vLLM's own core runs unchanged (outputs and the final state stay
-vLLM's), and for the prefill rows that have targets this package's torch
-path (`gated_delta_chunk_forward`, the reference the Triton kernels are
-tested against) recomputes the delta rule from the row's initial state up
-to its last target and `store_interior_checkpoints` writes each target's
-state and conv window into its slot. The recompute covers only the tokens
-up to each row's last target; on a GPU fla's forward keeps the boundary
-states anyway (see BENCHMARKS.md, interior checkpoint kernels).
-
-The op is registered like vLLM's `cpu_gdn_attention_core`, so a compiled
-model sees one opaque call. A model in a dtype vLLM's CPU kernels do not
-take (float32) runs its core in torch (`gdn_torch_cpu`), which keeps its
-boundary states: the targets are stored from those, with no recompute.
+vLLM's CPU kernel returns only a forward's final state. Its core runs
+unchanged; for the prefill rows with targets, the package's torch path
+recomputes the delta rule from the row's initial state up to its last
+target and `store_interior_checkpoints` writes each target's state and conv
+window into its slot. A float32 model's torch core (`gdn_torch_cpu`) keeps
+its boundary states, so there the targets are stored with no recompute.
+Registered like vLLM's `cpu_gdn_attention_core`: a compiled model sees one
+opaque op.
 """
 
 from __future__ import annotations
@@ -24,11 +17,10 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_gdn
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
-from ..kernels.chunk_forward import gated_delta_chunk_forward
-from ..kernels.conv_window import causal_conv1d_varlen
-from ..kernels.state_checkpoint import CheckpointWrites, store_interior_checkpoints
+from ..kernels.slot_forward import SlotRows, recompute_rows, store_step_targets
+from ..kernels.state_checkpoint import CheckpointWrites
 from .gdn_backend import AtomGDNMetadata
-from .gdn_torch_cpu import VLLM_KERNEL_DTYPES, TorchCoreStep, core_gating, gdn_core_torch
+from .gdn_torch_cpu import VLLM_KERNEL_DTYPES, gdn_core_torch, layer_parts, slot_pools
 
 OP_NAME = "atom_gdn_attention_core_cpu"
 _registered = False
@@ -49,67 +41,45 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
         step = gdn_core_torch(layer, mdi, mixed_qkv, b, a, core_attn_out)
         store_targets_from_torch_core(layer, mdi.num_decodes, interior, mixed_qkv, step)
         return
+    state_pool, conv_pool = slot_pools(layer)
 
-    # What the forward overwrites: the rows' initial states and conv windows.
+    # What vLLM's forward overwrites: the target rows' initial states and
+    # windows, and their tokens up to their last target.
     rows = sorted(set(interior.rows))
     nd, ndt = mdi.num_decodes, mdi.num_decode_tokens
     qsl = mdi.non_spec_query_start_loc[nd:nd + mdi.num_prefills + 1].tolist()
-    state_idx = mdi.non_spec_state_indices_tensor[nd:nd + mdi.num_prefills].long()
-    has_init = mdi.has_initial_state[nd:nd + mdi.num_prefills]
+    slots = mdi.non_spec_state_indices_tensor[nd:nd + mdi.num_prefills].long()[rows]
+    resumes = mdi.has_initial_state[nd:nd + mdi.num_prefills][rows]
     last = {r: max(p for rr, p in zip(interior.rows, interior.positions) if rr == r) for r in rows}
-    idx = state_idx[rows]
-    init = has_init[rows].view(-1, 1, 1, 1)
-    # vLLM's own views: [slots, HV, K, V] as its kernel reads it, [slots, D, W - 1]
-    ssm_pool = vllm_cpu_gdn._ssm_state_view(layer)
-    conv_pool = vllm_cpu_gdn._conv_buffer_view(layer)
-    h0 = torch.where(init, ssm_pool[idx].float(), 0.0)
-    w0 = torch.where(init[..., 0], conv_pool[idx], 0).float()
     spans = [(qsl[r] - qsl[0] + ndt, last[r]) for r in rows]
+    cu = [0]
+    for _, n in spans:
+        cu.append(cu[-1] + n)
+    target_rows = SlotRows(torch.tensor(cu, dtype=torch.int32), slots, resumes)
+    h0 = torch.where(resumes.view(-1, 1, 1, 1), state_pool[slots].float(), 0.0)
+    w0 = torch.where(resumes.view(-1, 1, 1), conv_pool[slots], 0)
     x = torch.cat([mixed_qkv[s:s + n] for s, n in spans]).clone()
     a_rows = torch.cat([a[s:s + n] for s, n in spans]).contiguous()
     b_rows = torch.cat([b[s:s + n] for s, n in spans]).contiguous()
 
     _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name)
 
-    cu = [0]
-    for _, n in spans:
-        cu.append(cu[-1] + n)
-    cu_t = torch.tensor(cu, dtype=torch.int32)
-    # vLLM packs the conv weight in place on some CPUs and keeps a plain copy
-    conv = causal_conv1d_varlen(x, cu_t, vllm_cpu_gdn._unpacked_conv_weight(layer),
-                                layer.conv1d.bias, initial_windows=w0, activation=layer.activation)
-    q, k, v = (t[0] for t in layer.rearrange_mixed_qkv(conv.output))
-    g, beta = core_gating(layer, a_rows, b_rows)
-    g, beta = g.reshape(q.shape[0], -1).float(), beta.reshape(q.shape[0], -1).float()
-    fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, cu_t,
-                                    initial_state=h0, use_qk_l2norm=True, backend="torch")
+    step = recompute_rows(layer_parts(layer), target_rows, x, a_rows, b_rows, h0, w0)
     row_of = {r: i for i, r in enumerate(rows)}
     writes = CheckpointWrites.from_lists([row_of[r] for r in interior.rows], interior.positions,
                                          interior.slots, row_lengths=[n for _, n in spans])
-    store_interior_checkpoints(writes, cu_t, state_pool=ssm_pool,
-                               chunk_states=fwd.chunk_states, final_state=fwd.final_state,
-                               k=fwd.k, g=g, corrections=fwd.corrections,
-                               chunk_offsets=fwd.chunk_offsets, conv_pool=conv_pool,
-                               conv_x=x, conv_initial_windows=w0.to(x.dtype), backend="torch")
+    store_step_targets(step, writes, x, state_pool, conv_pool)
 
 
 def store_targets_from_torch_core(layer, num_decodes: int, interior, mixed_qkv: torch.Tensor,
-                                  step: TorchCoreStep) -> None:
-    """Each target's state and conv window, from the boundary states the
-    torch core's forward kept (`step`); `interior.rows` count prefills, the
-    core's rows start with the decodes."""
+                                  step) -> None:
+    """Each target's state and conv window from what the torch core kept;
+    `interior.rows` count prefills, the core's rows start with the decodes."""
     cu = step.cu_seqlens
-    fwd = step.forward
     writes = CheckpointWrites.from_lists([num_decodes + r for r in interior.rows],
                                          interior.positions, interior.slots,
                                          row_lengths=(cu[1:] - cu[:-1]).tolist())
-    store_interior_checkpoints(writes, cu, state_pool=vllm_cpu_gdn._ssm_state_view(layer),
-                               chunk_states=fwd.chunk_states, final_state=fwd.final_state,
-                               k=fwd.k, g=step.g, corrections=fwd.corrections,
-                               chunk_offsets=fwd.chunk_offsets,
-                               conv_pool=vllm_cpu_gdn._conv_buffer_view(layer),
-                               conv_x=mixed_qkv[:int(cu[-1])],
-                               conv_initial_windows=step.initial_windows, backend="torch")
+    store_step_targets(step, writes, mixed_qkv, *slot_pools(layer))
 
 
 def _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name) -> None:

@@ -1,16 +1,11 @@
-"""The KV-cache spec our Gated DeltaNet layers declare.
+"""Layer: the KV-cache spec our GDN layers declare.
 
-vLLM picks a group's manager by the spec's class (`KVCacheSpecRegistry`),
-and a built-in spec cannot be given a second manager, so our layers declare
-this subclass. Every `isinstance(spec, MambaSpec)` in vLLM still holds and
-the layers still group as Mamba layers.
-
-`AtomGDNInteriorSpec` is what the layer declares where it writes states
-from inside a prefill forward: the class is how it tells the scheduler, the
-way vLLM's own `num_prefill_checkpoint_blocks` does. Both gates follow it
-(the scheduler stops cutting chunks, and the class's manager,
-`AtomInteriorStateManager`, gives the forward pages at interior positions),
-so they cannot disagree; and without it no interior code runs per step.
+vLLM picks a group's manager by the spec's class, and a built-in spec cannot
+get a second manager, so our layers declare this `MambaSpec` subclass (every
+`isinstance(spec, MambaSpec)` still holds). `AtomGDNInteriorSpec` says the
+layer writes states from inside a prefill forward: the scheduler then stops
+cutting chunks and its manager gives the forward pages at interior
+positions, both from the one class.
 """
 
 from __future__ import annotations

@@ -1,96 +1,64 @@
-"""The manager of our Gated DeltaNet state groups inside vLLM.
+"""State manager: the manager of our GDN state groups inside vLLM.
 
-vLLM's MambaManager (align mode) keeps the bookkeeping that must not change:
-which block-table column holds which state, the copy of a resumed state into
-the running column, speculative columns, copy-on-write of partial tails. What
-it retains is where we differ: besides vLLM's prompt-end state and
-shared-prefix junction, the checkpoints our planner placed (cut backoffs,
-fallback rungs, insurance, ladder), whose chunk stops `AtomScheduler` made.
-The prefix match itself stays vLLM's: the longest prefix ending at a state
-every group still indexes, which is exactly the core's rule.
-
-With interior extraction (the layers declare `AtomGDNInteriorSpec`), chunks
-are not cut, and `AtomInteriorStateManager` gives each forward the pages of
-the planned positions inside its span (see `gdn_backend.interior_targets`).
+vLLM's MambaManager (align mode) keeps the bookkeeping (which column holds
+which state, copying a resumed state into the running column, speculative
+columns, copy-on-write of partial tails). What it retains is where we
+differ: besides vLLM's own states, the positions the planner placed, handed
+over by `CheckpointPlans` (`attach`). The prefix match stays vLLM's: the
+longest prefix ending at a state every group indexes.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional, Sequence
 
-from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
-from .planner import CheckpointPlanner
+from ..core.planner import CheckpointPlans
+from . import private_api
 
-_PROBE_HASH = b"\x5a" * 32
 _mamba_cache_blocks = MambaManager.cache_blocks
 
 
-@functools.lru_cache(maxsize=None)
-def _key_suffix(group_id: int) -> Optional[bytes]:
-    """The bytes vLLM appends to a block hash to key it in `group_id`'s
-    index, or None where keys are not built that way."""
-    suffix = make_block_hash_with_group_id(_PROBE_HASH, group_id)[len(_PROBE_HASH):]
-    if make_block_hash_with_group_id(b"\x01" * 8, group_id) != b"\x01" * 8 + suffix:
-        return None
-    return suffix
-
-
-def prefix_index_key_suffix(block_pool, group_id: int) -> Optional[bytes]:
-    """`_key_suffix`, or None where the pool's prefix index is not the
-    plain dict it reads (then the lookup takes vLLM's own path)."""
-    if not isinstance(getattr(block_pool.cached_block_hash_to_block, "_cache", None), dict):
-        return None
-    return _key_suffix(group_id)
-
-
 class AtomStateManager(MambaManager):
-    # The steady-step shortcuts below; False runs vLLM's methods on every
-    # call (the equivalence test compares the two).
+    # False: vLLM's methods on every call (the equivalence test compares)
     steady_shortcuts = True
 
     def __init__(self, kv_cache_spec, block_pool, **kwargs) -> None:
         super().__init__(kv_cache_spec, block_pool, **kwargs)
         # Attached by AtomScheduler; without it (another scheduler class)
         # this manager behaves exactly like vLLM's.
-        self.planner: Optional[CheckpointPlanner] = None
-        self._plans: dict = {}
-        # Where vLLM's align-mode bookkeeping has a per-step branch of its
-        # own (speculative columns, vLLM's prefill checkpoint blocks) every
-        # call takes vLLM's path. Without prefill checkpoint blocks vLLM
-        # never reserves a checkpoint column (`_checkpoints` stays empty),
-        # which the shortcuts rely on.
+        self.plans: Optional[CheckpointPlans] = None
+        # Speculative columns and vLLM's prefill checkpoint blocks have
+        # per-step branches of their own: every call takes vLLM's path.
         self._steady_path = (self.steady_shortcuts and self.mamba_cache_mode == "align"
                              and self.num_speculative_blocks == 0
-                             and not self.has_prefill_checkpoint_blocks)
+                             and not self.has_prefill_checkpoint_blocks
+                             and private_api.instance_has(self, private_api.STEADY_SHORTCUTS))
 
-    def attach(self, planner: CheckpointPlanner) -> None:
-        self.planner = planner
-        self._plans = planner.plans
+    def attach(self, plans: CheckpointPlans) -> None:
+        """The planner's hand-off: where this group keeps states besides
+        vLLM's own, and which ones a forward writes from inside."""
+        self.plans = plans
 
     @classmethod
     def find_longest_cache_hit(cls, block_hashes, max_length: int, kv_cache_group_ids,
                                block_pool, kv_cache_spec, drop_eagle_block: bool,
                                alignment_tokens: int, dcp_world_size: int = 1,
                                pcp_world_size: int = 1):
-        """vLLM's answer (the highest hash boundary <= max_length where every
-        state group indexes a state), found without a pool lookup per
-        boundary. Why: a request that waits for room is looked up again
-        every step, and when its prefix's states are gone but its KV is
-        not, vLLM walks from the KV hit down to 0, one lookup per 64
-        tokens: 3,800 lookups for a 240k-token prompt, each step. Here a
-        boundary is first tested against the prefix index of the first
-        group as one dict membership; vLLM confirms the candidate."""
+        """vLLM's answer, found without a pool lookup per boundary: a request
+        waiting for room is looked up every step, and where its states are
+        gone vLLM walks down to 0 one lookup per unit (3,800 for a
+        240k-token prompt). Here a boundary is first one dict membership in
+        the first group's index; vLLM confirms the candidate."""
         B = kv_cache_spec.block_size
         fine = alignment_tokens < B and B % alignment_tokens == 0
-        suffix = prefix_index_key_suffix(block_pool, kv_cache_group_ids[0]) if fine else None
+        suffix = private_api.index_key_suffix(block_pool, kv_cache_group_ids[0]) if fine else None
         if suffix is None or not isinstance(block_hashes, Sequence):
             return super().find_longest_cache_hit(
                 block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
                 drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size)
-        index = block_pool.cached_block_hash_to_block._cache
+        index = private_api.prefix_index(block_pool)
         top = min(max_length // alignment_tokens, len(block_hashes))
         for i in range(top - 1, -1, -1):
             if (block_hashes[i] + suffix in index
@@ -106,14 +74,11 @@ class AtomStateManager(MambaManager):
             drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size)
 
     # -- the steady step -------------------------------------------------
-    # The four methods below run for every state group and running request
-    # each step, and in most steps (a decode step inside the running page,
-    # a prefill chunk with no hit to attach) vLLM's align-mode versions
-    # change nothing or count what is missing. Each first tests for that
-    # case with a few dict lookups and integer comparisons and answers it
-    # itself; otherwise it runs vLLM's method unchanged. Measured: a
-    # seventh of the scheduler's time per step (BENCHMARKS.md); shown equal
-    # to vLLM's at every step by tests/vllm/test_steady_shortcuts.py.
+    # These four run for every state group and running request each step,
+    # and in most steps vLLM's versions change nothing. Each answers that
+    # case itself with a few dict lookups, else runs vLLM's method (a
+    # seventh of the scheduler's step; equal to vLLM's at every step:
+    # tests/vllm/test_steady_shortcuts.py).
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                    total_computed_tokens, num_local_computed_tokens,
                                    num_tokens_main_model, apply_admission_cap=False,
@@ -163,13 +128,12 @@ class AtomStateManager(MambaManager):
             # no new full page to hash, and no prompt boundary to key a
             # partial tail at
             return
-        # Retention: our planned positions join vLLM's replay boundaries
-        # while one is still ahead (`RequestPlan.retained`), tested with one
-        # dict lookup; vLLM's method is called directly.
-        plan = self._plans.get(rid)
-        if (plan is not None and retention_interval is not None
-                and plan.retained_max > request.num_computed_tokens):
-            replay_boundaries = (*replay_boundaries, *plan.retained)
+        # Retention: the planned positions join vLLM's replay boundaries
+        # while one is still ahead; vLLM's method is called directly.
+        if self.plans is not None and retention_interval is not None:
+            planned = self.plans.positions_to_keep(rid, request.num_computed_tokens)
+            if planned:
+                replay_boundaries = (*replay_boundaries, *planned)
         _mamba_cache_blocks(self, request, num_tokens, retention_interval,
                             replay_boundaries=replay_boundaries)
 
@@ -182,7 +146,7 @@ class AtomInteriorStateManager(AtomStateManager):
 
     def _interior_columns(self, request_id: str, start: int, end: int) -> list:
         B = self.block_size
-        return [p // B - 1 for p in self.planner.interior_positions(request_id, start, end)]
+        return [p // B - 1 for p in self.plans.interior_positions(request_id, start, end)]
 
     def get_num_blocks_to_allocate(self, request_id, num_tokens, new_computed_blocks,
                                    total_computed_tokens, num_local_computed_tokens,
@@ -192,7 +156,7 @@ class AtomInteriorStateManager(AtomStateManager):
             request_id, num_tokens, new_computed_blocks, total_computed_tokens,
             num_local_computed_tokens, num_tokens_main_model,
             apply_admission_cap=apply_admission_cap, prefill_end=prefill_end)
-        if self.planner is None or n > self.block_pool.num_gpu_blocks:  # > : vLLM's "not now"
+        if self.plans is None or n > self.block_pool.num_gpu_blocks:  # > : vLLM's "not now"
             return n
         have = len(self.req_to_blocks[request_id]) + len(new_computed_blocks)
         return n + sum(1 for j in self._interior_columns(request_id, total_computed_tokens,
@@ -200,7 +164,7 @@ class AtomInteriorStateManager(AtomStateManager):
 
     def allocate_new_blocks(self, request_id: str, num_tokens: int,
                             num_tokens_main_model: int) -> list:
-        if self.planner is None:
+        if self.plans is None:
             return super().allocate_new_blocks(request_id, num_tokens, num_tokens_main_model)
         blocks = self.req_to_blocks[request_id]
         before = len(blocks)

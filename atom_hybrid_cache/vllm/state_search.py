@@ -1,20 +1,15 @@
-"""Where vLLM's block pool holds a state of one prefix.
-
-A state sits in one page of each state group, indexed under the hash of the
-prefix it follows (vLLM keeps a prompt's end state at its last hash
-boundary, chunk-end states at page boundaries, ours where we planned them).
-The scheduler asks where states are when it holds a prompt-end state and
-when a release takes older states back into its unit; the loss tracer of
-the benchmarks asks the same. One object per scheduler: it keeps the pool,
-the groups and the prefix index's key suffix, so each question is a few
-dict lookups.
+"""Where vLLM's block pool holds a state of one prefix: one page of each
+state group, indexed under the hash of the prefix it follows. The prompt-end
+holds, the release and the floors ask; one object per scheduler keeps the
+pool, the groups and the prefix index's key suffix, so each question is a
+few dict lookups.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from .state_manager import prefix_index_key_suffix
+from . import private_api
 
 # How far below each top (in state pages) `highest_at_or_below` looks.
 SEARCH_PAGES = 64
@@ -27,7 +22,7 @@ class StateSearch:
         self.hash_unit = hash_unit
         self.page = page
         # None: the pool's index is not the plain dict the filter reads
-        self._suffix = prefix_index_key_suffix(pool, self.groups[0])
+        self._suffix = private_api.index_key_suffix(pool, self.groups[0])
 
     def states_at(self, block_hashes: Sequence, pos: int) -> Optional[list]:
         """Every state group's page of the state after `pos` tokens of this
@@ -50,7 +45,7 @@ class StateSearch:
         suffix = self._suffix
         if suffix is None:
             return lambda pos: pos // H <= len(block_hashes)
-        index = self.pool.cached_block_hash_to_block._cache
+        index = private_api.prefix_index(self.pool)
         return lambda pos: (pos // H <= len(block_hashes)
                             and block_hashes[pos // H - 1] + suffix in index)
 
@@ -58,16 +53,10 @@ class StateSearch:
                             max_pages: int = SEARCH_PAGES) -> list[tuple[int, list]]:
         """[(position, pages of every state group)]: for each of `tops`, the
         highest position <= it where every state group indexes a state of
-        this prefix; each position once, highest first.
-
-        States sit on hash-unit boundaries, not only on page boundaries:
-        vLLM keeps a prompt's end state at its last hash boundary, so with
-        pages larger than the unit (448-token pages, 64-token unit) most
-        anchors are between pages. Each walk looks at every unit of the
-        page below its top, then at page boundaries only (where prefill
-        chunks end, so where most other states are), at most `max_pages`
-        pages down. (Every unit of 64 pages took 2.6x the release's time
-        for the same hits: 40 traces, c4 / 40 GiB.)"""
+        this prefix; each position once, highest first. A walk looks at
+        every hash unit of the page below its top (prompt-end states sit
+        between pages), then at page boundaries only (where chunk ends put
+        most other states), at most `max_pages` pages down."""
         H = self.hash_unit
         page = self.page
         indexed = self.maybe_indexed(block_hashes)

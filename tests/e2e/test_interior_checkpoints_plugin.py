@@ -53,6 +53,8 @@ import random
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 PLUGIN_SCHEDULER = "atom_hybrid_cache.vllm.scheduler.AtomScheduler"
 RUNGS = (256, 512, 768)
 # max |interior - cut| / max |cut| per page. vLLM's CPU kernel against our
@@ -177,7 +179,7 @@ def test_interior_checkpoints_resume_exactly_without_cutting_prefill(make_llm, m
             monkeypatch.setenv(var, value)
         llm = make_llm(enable_prefix_caching=True, prefix_match_unit=64,
                        scheduler_cls=PLUGIN_SCHEDULER, additional_config=additional_config)
-        planner = llm.llm_engine.engine_core.engine_core.scheduler._atom
+        planner = llm.llm_engine.engine_core.engine_core.scheduler.atom.planner
         assert planner is not None
         assert planner.interior_readable is (name == "interior")
         if name in ("cut", "interior"):

@@ -47,7 +47,8 @@ def test_scaled_prompts_keep_the_traces_growth_and_reuse(scaled):
 
 def test_no_elision_and_no_cap_when_max_prompt_is_zero(scaled):
     E, paths, convs, _, _ = scaled
-    from atom_hybrid_cache.replay.traces import TokenExpander, load_traces
+    from atom_hybrid_cache.replay.token_expander import TokenExpander
+    from atom_hybrid_cache.replay.traces import load_traces
 
     (conv,) = load_traces(paths[0])
     full = TokenExpander().prompt_tokens(conv, 0, tokens_per_id=8)

@@ -107,6 +107,7 @@ FULL_LENGTH_NO_COLD_CACHED = 6_501_504
 FULL_LENGTH_SPAN_CACHED = 6_580_032
 
 
+@pytest.mark.slow
 def test_the_plan_workload_at_full_length(pressure_bench, plugin_env, vllm_cpu_env,
                                           monkeypatch):
     E = pressure_bench

@@ -35,222 +35,21 @@ cost 31-39 s in all.
 from __future__ import annotations
 
 import json
-import os
-import random
 import re
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from tiny_model import NUM_WORDS, words
+from serving import (BAD_SETTING_DEADLINE_S, DEFAULT_SCHEDULER_LINE, DEFAULT_UNIT_LINE,
+                     ENABLED_LINE, EXPLICIT_ARGS, PROMPT_LEN, SCHEDULER_LINE, _cached_tokens,
+                     _complete, _free_port, _long_prompt, _metric_total, _metrics_when, _serve_env,
+                     _serve_cmd, _serving, _start_serve, _stop_group, _tail)
 
-PLUGIN = "atom_hybrid_cache"
-SCHEDULER_CLS = "atom_hybrid_cache.vllm.scheduler.AtomScheduler"
-SCHEDULER_LINE = "atom_hybrid_cache scheduler: 3 state groups, 1 KV groups"
-ENABLED_LINE = "atom_hybrid_cache enabled"
-DEFAULT_UNIT_LINE = ("atom_hybrid_cache: prefix hashes every 64 tokens (vLLM's "
-                     "--prefix-match-unit is unset; blocks are 128 tokens)")
-DEFAULT_SCHEDULER_LINE = re.compile(
-    r"atom_hybrid_cache: scheduler Atom(Async)?Scheduler \(vLLM's --scheduler-cls is unset\)")
-EXPLICIT_ARGS = ("--scheduler-cls", SCHEDULER_CLS, "--prefix-match-unit", "64")
-HEALTH_DEADLINE_S = 300.0      # serve is healthy after 45-100 s here
-REQUEST_TIMEOUT_S = 120.0
-BAD_SETTING_DEADLINE_S = 150.0  # fails in ~17 s alone, ~40 s with four at once
-STOP_GRACE_S = 20.0
-PROMPT_LEN = 600               # words = tokens of the tiny word-level tokenizer
-
-# One direct opener: a proxy from the environment must not see 127.0.0.1.
-_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-
-
-# -- process handling ------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve_env(vllm_cpu_env: dict[str, str], **extra: str) -> dict[str, str]:
-    """This environment without any ATOM_* variable (a setting exported in
-    the caller's shell must not change what this test checks), plus the small
-    CPU settings, the plugin enabled, and vLLM's default multiprocess engine
-    (the fixture's VLLM_ENABLE_V1_MULTIPROCESSING=0 is for in-process tests)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
-    env.update(vllm_cpu_env)
-    env.update({
-        "VLLM_PLUGINS": PLUGIN,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-        "PYTHONUNBUFFERED": "1",          # the log file is current when we read it
-        "VLLM_LOGGING_COLOR": "0",
-    })
-    env.update(extra)
-    return env
-
-
-def _serve_cmd(model: Path, port: int, extra_args: tuple = ()) -> list[str]:
-    # `python -m vllm.entrypoints.cli.main` is what the `vllm` script runs,
-    # without depending on where pip put that script.
-    return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
-            "--host", "127.0.0.1", "--port", str(port),
-            "--served-model-name", "tiny",
-            "--dtype", "bfloat16", "--enforce-eager",
-            "--max-model-len", "2048", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "2048",
-            "--enable-prefix-caching", "--enable-prompt-tokens-details",
-            "--seed", "0", *extra_args]
-
-
-def _start_serve(model: Path, port: int, env: dict[str, str], log_path: Path,
-                 extra_args: tuple = ()) -> subprocess.Popen:
-    # cwd: the log's folder, not the checkout, whose folder `python -m` would
-    # put first on sys.path (the installed package is what vLLM should load).
-    with open(log_path, "wb") as log:        # the child keeps its own descriptor
-        return subprocess.Popen(_serve_cmd(model, port, extra_args), env=env, cwd=log_path.parent,
-                                stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of the group; falls back to killpg(0)
-    where /proc is missing."""
-    proc_dir = Path("/proc")
-    if not proc_dir.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    members = []
-    for entry in proc_dir.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
-        fields = stat[stat.rindex(")") + 2:].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-def _stop_group(proc: subprocess.Popen, grace: float = STOP_GRACE_S) -> None:
-    """SIGTERM the whole process group, wait up to `grace` seconds for every
-    member to go, then SIGKILL what is left; reaps the leader."""
-    pgid = proc.pid                           # start_new_session: leader pid == pgid
-    for sig, wait_s in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            pass
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
-            proc.poll()                       # reap the leader so it is not a member
-            if not _group_members(pgid):
-                break
-            time.sleep(0.2)
-        else:
-            continue                          # still alive: escalate
-        break
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:         # pragma: no cover - unkillable
-        pass
-
-
-def _tail(path: Path, n: int = 6000) -> str:
-    try:
-        text = path.read_text(errors="replace")
-    except OSError:
-        return "<no log>"
-    return text[-n:]
-
-
-# -- HTTP ------------------------------------------------------------------
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log_path: Path) -> float:
-    t0 = time.monotonic()
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited with {proc.returncode} before it was healthy; "
-                        f"log tail:\n{_tail(log_path)}")
-        try:
-            with _HTTP.open(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - t0
-        except OSError:                       # refused, 503 while starting, timeout
-            pass
-        if time.monotonic() - t0 > HEALTH_DEADLINE_S:
-            pytest.fail(f"vllm serve not healthy after {HEALTH_DEADLINE_S:.0f} s; "
-                        f"log tail:\n{_tail(log_path)}")
-        time.sleep(1.0)
-
-
-def _complete(url: str, prompt: str) -> dict:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 4,
-                       "temperature": 0, "ignore_eos": True}).encode()
-    req = urllib.request.Request(url + "/v1/completions", body,
-                                 {"Content-Type": "application/json"})
-    with _HTTP.open(req, timeout=REQUEST_TIMEOUT_S) as r:
-        return json.load(r)
-
-
-def _cached_tokens(answer: dict) -> int:
-    details = answer["usage"].get("prompt_tokens_details") or {}
-    return details.get("cached_tokens") or 0
-
-
-def _metric_total(metrics: str, name: str) -> float:
-    """Sum of a counter over its label sets (None when it is absent)."""
-    values = [float(line.rsplit(None, 1)[1]) for line in metrics.splitlines()
-              if line.startswith(name + "{") or line.startswith(name + " ")]
-    return sum(values) if values else None
-
-
-def _metrics_when(url: str, name: str, want: float, timeout_s: float = 15.0) -> str:
-    """/metrics once counter `name` reached `want` (the front end gets the
-    engine's stats a moment after the answer), or the last read."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with _HTTP.open(url + "/metrics", timeout=10) as r:
-            metrics = r.read().decode()
-        if (_metric_total(metrics, name) or 0) >= want or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.5)
-
-
-def _long_prompt() -> str:
-    rng = random.Random(0)
-    return words(rng.randrange(NUM_WORDS) for _ in range(PROMPT_LEN))
-
-
-@contextmanager
-def _serving(name: str, model: Path, env: dict[str, str], log_path: Path, extra_args: tuple = ()):
-    """A healthy `vllm serve` on a free port: yields (process, URL); the
-    whole process group is stopped on the way out, and must be gone."""
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    t0 = time.monotonic()
-    proc = _start_serve(model, port, env, log_path, extra_args)
-    try:
-        print(f"{name}: healthy after {_wait_healthy(proc, url, log_path):.1f} s")
-        yield proc, url
-    finally:
-        _stop_group(proc)
-        print(f"{name}: {time.monotonic() - t0:.1f} s including shutdown")
-    assert not _group_members(proc.pid), "server processes left behind"
-
+pytestmark = pytest.mark.slow
 
 # -- 3. serve with the plugin caches the second answer ---------------------
 
@@ -302,7 +101,17 @@ def test_serve_with_plugin_caches_the_second_answer(tiny_model_path, vllm_cpu_en
         assert "Using custom scheduler class" not in log
         stats = re.findall(r"\[Cache Stats\] admissions=(\d+) reusable=(\d+) cached=(\d+)", log)
         assert ("2", "576", "576") in stats, (stats, _tail(log_path))
-        assert "[Cache Pools]" in log and "[Checkpoint Fates]" in log
+        assert "[Cache Pools]" in log and "[Shared Pool]" in log and "[Checkpoint Kinds]" in log
+
+        # `atom-hybrid-cache diagnose` reads this log as a user would run it
+        done = subprocess.run([sys.executable, "-m", "atom_hybrid_cache.cli", "diagnose",
+                               str(log_path)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        verdict = done.stdout.splitlines()
+        assert verdict[0] == ("hit 100.00% of 576 reusable tokens over 2 admissions = "
+                              "paged_hit 100.00% x state_hit 100.00%"), verdict
+        assert "binds: neither - the pool keeps what is reused at this load" in verdict
+        assert any(line.startswith("shared pool at the last report: ") for line in verdict)
 
 
 # -- our counters on /metrics, through the stats connector -----------------
@@ -382,7 +191,7 @@ def bad_setting_runs(tiny_model_path, vllm_cpu_env, tmp_path_factory) -> dict[st
         for case, (var, value) in BAD_SETTINGS.items():
             log_path = logdir / f"{case}.log"
             env = _serve_env(vllm_cpu_env, **{var: value})
-            procs[case] = (_start_serve(tiny_model_path, _free_port(), env, log_path),
+            procs[case] = (_start_serve(_serve_cmd(tiny_model_path, _free_port()), env, log_path),
                            log_path, time.monotonic())
         deadline = time.monotonic() + BAD_SETTING_DEADLINE_S
         while time.monotonic() < deadline and any(p.poll() is None for p, _, _ in procs.values()):

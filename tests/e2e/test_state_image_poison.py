@@ -26,6 +26,8 @@ import math
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 PLUGIN_SCHEDULER = "atom_hybrid_cache.vllm.scheduler.AtomScheduler"
 POOL_MULTIPLE = 0.83
 
@@ -82,7 +84,7 @@ def test_poisoned_unowned_pages_never_reach_an_output(pressure_bench, elided_wor
         llm = E.make_llm(E.model_for("plugin", "default", w.max_model_len), nb, w.max_model_len,
                          prefix_match_unit=64, scheduler_cls=PLUGIN_SCHEDULER)
         try:
-            assert llm.llm_engine.engine_core.engine_core.scheduler._atom is not None
+            assert llm.llm_engine.engine_core.engine_core.scheduler.atom.planner is not None
             if poison:
                 _poison(llm)   # before the first round too
             return _serve(llm, convs, w.rounds, poison)

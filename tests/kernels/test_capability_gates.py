@@ -18,7 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_hybrid_cache.config import CacheConfig, PlacementConfig  # noqa: E402
+from atom_hybrid_cache.config import PlacementConfig, ReplayPoolConfig  # noqa: E402
 from atom_hybrid_cache.core.hashing import hash_blocks, split_full_blocks  # noqa: E402
 from atom_hybrid_cache.core.manager import HybridCacheManager, Request  # noqa: E402
 from atom_hybrid_cache.kernels.capability import (CheckpointGates, PrefillRow,  # noqa: E402
@@ -75,7 +75,7 @@ class StepLoop:
     def __init__(self, core_gate: bool, kernel_gate: bool, backend: str):
         self.layer = TinyLayer(kda=False, seed=11)
         self.embed = torch.randn(VOCAB, self.layer.D, generator=torch.Generator().manual_seed(12))
-        cfg = CacheConfig(block_size=BLOCK, num_kv_blocks=128, max_num_seqs=2,
+        cfg = ReplayPoolConfig(block_size=BLOCK, num_kv_blocks=128, max_num_seqs=2,
                           state_checkpoint_slots=16, interior_states_readable=core_gate,
                           placement=PlacementConfig(interval_tokens=48))
         self.mgr = HybridCacheManager(cfg, warn=lambda msg: None)

@@ -53,8 +53,8 @@ def _serve(make_plugin_scheduler, monkeypatch, gate: str):
 def test_without_the_gate_the_first_admission_evicts_the_waiting_prefix(
         make_plugin_scheduler, monkeypatch):
     sched, (cached, order) = _serve(make_plugin_scheduler, monkeypatch, "off")
-    assert sched._atom_gate is None
-    assert not any(line.startswith("[Admission Gate]") for line in sched._atom.stats_lines())
+    assert sched.atom.gate is None
+    assert not any(line.startswith("[Admission Gate]") for line in sched.atom.planner.stats_lines())
     assert order == ["a2", "b2"]
     assert cached == {"a2": PROMPT, "b2": 0}
 
@@ -65,10 +65,10 @@ def test_the_gate_holds_the_request_that_does_not_fit(make_plugin_scheduler, mon
     assert cached == {"a2": PROMPT, "b2": PROMPT}
     # a2 was held out of the queue in both steps of b2's prefill; the
     # planner's stats count it, and its log lines say so
-    assert sched._atom_gate.held_steps == 2
-    stats = sched._atom.stats
+    assert sched.atom.gate.held_steps == 2
+    stats = sched.atom.planner.stats
     assert (stats.gate_held_steps, stats.gate_holds, stats.gate_longest_hold) == (2, 2, 2)
-    assert sched._atom.stats_lines()[-1] == "[Admission Gate] held_steps=2 holds=2 longest_hold=2"
+    assert sched.atom.planner.stats_lines()[-1] == "[Admission Gate] held_steps=2 holds=2 longest_hold=2"
     # every page the gate pinned went back: only the null page is referenced
     pool = sched.kv_cache_manager.block_pool
     assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
@@ -84,10 +84,10 @@ def test_a_servers_default_gates_a_pool_of_100_checkpoints_worth_only(make_plugi
     monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
     big, _, _ = make_plugin_scheduler(10)
     assert big.kv_cache_manager.block_pool.num_gpu_blocks == 365
-    assert big._atom_gate is not None
+    assert big.atom.gate is not None
     with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
         small, _, _ = make_plugin_scheduler()
-    assert small._atom_gate is None
+    assert small.atom.gate is None
     assert ("atom_hybrid_cache: admission gate off (auto): the KV pool (40,320 tokens) holds "
             "30 checkpoints' worth, under 100") in caplog.messages
 
@@ -99,7 +99,7 @@ def test_a_request_held_max_hold_steps_times_goes_through(make_plugin_scheduler,
     # held in b2's first step only, then admitted beside it: b2's pages
     # are its own by then, so both still resume on their whole prefix
     assert order == ["b2", "a2"]
-    assert sched._atom_gate.held_steps == 1 and sched._atom_gate.longest_hold == 1
+    assert sched.atom.gate.held_steps == 1 and sched.atom.gate.longest_hold == 1
     assert cached == {"a2": PROMPT, "b2": PROMPT}
 
 
@@ -124,7 +124,7 @@ def test_hits_first_and_the_gate_look_each_request_up_once(make_plugin_scheduler
             coordinator.find_longest_cache_hit = counted
             return sched, submit, step
         sched, (cached, order_seen) = _serve(counting, monkeypatch, "on")
-        assert sched._atom_hits_first == (order == "hits-first")
+        assert sched.atom.hits_first == (order == "hits-first")
         assert cached == {"a2": PROMPT, "b2": PROMPT} and order_seen == ["b2", "a2"]
         counts[order] = len(calls)
     assert counts["hits-first"] == counts["arrival"]
@@ -240,7 +240,7 @@ def test_a_held_request_is_looked_up_once_while_it_waits(make_plugin_scheduler, 
 
     sched, (cached, order) = _serve(counting, monkeypatch, "on")
     assert order == ["b2", "a2"] and cached == {"a2": PROMPT, "b2": PROMPT}
-    assert sched._atom_gate.held_steps == 2
+    assert sched.atom.gate.held_steps == 2
     # by prefix length in hash units: a1 (the gate's lookup, then vLLM's),
     # b1 (the same); the round: the gate's of a2 (294) and b2 (253), vLLM's
     # of b2 as it goes, and, two steps later, vLLM's of a2 as it goes
@@ -250,6 +250,6 @@ def test_a_held_request_is_looked_up_once_while_it_waits(make_plugin_scheduler, 
 def test_a_prefix_cache_reset_forgets_the_remembered_hits(make_plugin_scheduler, monkeypatch):
     monkeypatch.setenv("ATOM_ADMISSION_GATE", "on")
     sched, _, _ = make_plugin_scheduler()
-    sched._atom_gate._lookups = {"x": ((), 448)}
+    sched.atom.gate._lookups = {"x": ((), 448)}
     assert sched.reset_prefix_cache()
-    assert sched._atom_gate._lookups == {}
+    assert sched.atom.gate._lookups == {}

@@ -30,11 +30,11 @@ def scheduler(waiting, hits, running=0, max_num_seqs=4):
         kv_cache_manager=SimpleNamespace(
             coordinator=SimpleNamespace(find_longest_cache_hit=find_longest_cache_hit),
             prefix_cache_lookup_enabled=lambda request: True),
-        _atom_passed_over={})
+        passed_over={})
 
 
 def order(s):
-    order_waiting(s, s._atom_passed_over)
+    order_waiting(s, s.passed_over)
     return [r.request_id for r in s.waiting]
 
 
@@ -44,7 +44,7 @@ def test_hits_go_first_largest_first_within_the_admission_window():
     # "late" is fifth: outside the window of max_num_seqs = 4, it stays behind
     assert order(s) == ["large", "small", "cold1", "cold2", "late"]
     # cold2 kept its place: nothing behind it moved ahead
-    assert s._atom_passed_over == {"cold1": 1}
+    assert s.passed_over == {"cold1": 1}
 
 
 def test_no_reorder_without_a_free_seat_or_a_queue():
@@ -52,7 +52,7 @@ def test_no_reorder_without_a_free_seat_or_a_queue():
     assert order(scheduler(["cold", "hit"], hits, running=4)) == ["cold", "hit"]
     assert order(scheduler(["cold"], hits)) == ["cold"]
     s = scheduler(["hit", "cold"], hits)
-    assert order(s) == ["hit", "cold"] and s._atom_passed_over == {}
+    assert order(s) == ["hit", "cold"] and s.passed_over == {}
 
 
 def test_a_request_passed_over_max_num_seqs_times_keeps_its_place():
@@ -62,5 +62,5 @@ def test_a_request_passed_over_max_num_seqs_times_keeps_its_place():
         assert order(s)[0] != "cold"
         # the hits were not admitted (no room): back to arrival order
         s.waiting = deque(sorted(s.waiting, key=lambda r: ["cold", "h1", "h2"].index(r.request_id)))
-    assert s._atom_passed_over == {"cold": 3}
+    assert s.passed_over == {"cold": 3}
     assert order(s) == ["cold", "h2", "h1"]

@@ -39,8 +39,8 @@ def _serve(make_plugin_scheduler, monkeypatch, cold, first_len=LONG, kept=12_000
     else:
         monkeypatch.setenv("ATOM_STATE_CHECKPOINT_COLD", cold)
     sched, submit, step = make_plugin_scheduler(budget_gib)
-    assert sched._atom.block_size == PAGE and sched.hash_block_size == 64
-    assert sched._atom.checkpoint_kv_tokens == 3 * PAGE
+    assert sched.atom.planner.block_size == PAGE and sched.hash_block_size == 64
+    assert sched.atom.planner.policy.checkpoint_kv_tokens == 3 * PAGE
     rng = random.Random(3)
     first = [rng.randrange(1, 30000) for _ in range(first_len)]
     submit("first", first, 2)
@@ -48,7 +48,7 @@ def _serve(make_plugin_scheduler, monkeypatch, cold, first_len=LONG, kept=12_000
     while "first" in sched.requests:
         step()
     states = [pos for pos in range(64, first_len, 64)
-              if sched._atom_states.states_at(hashes, pos) is not None]
+              if sched.atom.states.states_at(hashes, pos) is not None]
     rewrite = first[:kept] + [rng.randrange(1, 30000) for _ in range(3000)]
     submit("rewrite", rewrite, 2)
     resumed = None

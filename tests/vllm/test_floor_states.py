@@ -64,7 +64,7 @@ def _run(make_plugin_scheduler, monkeypatch, floor):
     assert cold == 58
     submit("probe", conv + [1], 1)
     hashes = sched.requests["probe"].block_hashes
-    states = sched._atom_states.positions(hashes, len(conv))
+    states = sched.atom.states.positions(hashes, len(conv))
     sched.finish_requests("probe", RequestStatus.FINISHED_ABORTED)
     while sched.requests:
         step()
@@ -76,24 +76,24 @@ def test_the_server_default_keeps_a_floor_under_a_running_prefix(make_plugin_sch
                                                                  monkeypatch):
     assert SERVER_FLOOR_FRACTIONS == (0.25, 0.5)
     sched, states, resumed = _run(make_plugin_scheduler, monkeypatch, None)
-    assert sched._atom_floors.fractions == (0.25, 0.5)
+    assert sched.atom.floors.fractions == (0.25, 0.5)
     assert states == [9856]
     assert resumed == 9856
     # turns 1-3 held floors; the first turn and the cold prompts had no state
     # under them, and the rewrite none at or below 0.5 of its 15,441 tokens
-    assert sched._atom_floors.holds == 3 and sched._atom_floors.refused == 0
+    assert sched.atom.floors.holds == 3 and sched.atom.floors.refused == 0
 
 
 def test_without_floors_the_squeeze_takes_every_state(make_plugin_scheduler, monkeypatch):
     sched, states, resumed = _run(make_plugin_scheduler, monkeypatch, "")
-    assert sched._atom_floors is None
+    assert sched.atom.floors is None
     assert states == []
     assert resumed == 0
 
 
 def test_floors_are_given_back_and_no_reference_leaks(make_plugin_scheduler, monkeypatch):
     sched, _, _ = _run(make_plugin_scheduler, monkeypatch, None)
-    floors = sched._atom_floors
+    floors = sched.atom.floors
     assert floors.held == {} and floors.held_pages == 0
     assert _referenced_pages(sched) == []
     pool = sched.kv_cache_manager.block_pool
@@ -123,7 +123,7 @@ def test_an_aborted_request_gives_its_floors_back(make_plugin_scheduler, monkeyp
     sched, submit, step, rng, conv = _after_one_turn(make_plugin_scheduler, monkeypatch, 7)
     submit("next", conv + [rng.randrange(1, 30000) for _ in range(PAGE * 30)], 50)
     step()
-    floors = sched._atom_floors
+    floors = sched.atom.floors
     assert [pos for pos, _ in floors.held["next"]] == [9856]
     assert floors.held_pages == 3           # one page in each of the 3 state groups
     sched.finish_requests("next", RequestStatus.FINISHED_ABORTED)
@@ -136,7 +136,7 @@ def test_floors_stay_under_their_share_of_the_pool(make_plugin_scheduler, monkey
     monkeypatch.setattr(floor_states, "FLOOR_MAX_POOL_SHARE", 2 / 365)
     with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
         sched, states, resumed = _run(make_plugin_scheduler, monkeypatch, None)
-    assert sched._atom_floors.holds == 0 and sched._atom_floors.refused == 3
+    assert sched.atom.floors.holds == 0 and sched.atom.floors.refused == 3
     assert states == [] and resumed == 0
     said = [r.getMessage() for r in caplog.records if "floor states fill" in r.getMessage()]
     assert said == ["atom_hybrid_cache: floor states fill their share of the pool (2 pages); "
@@ -156,9 +156,9 @@ def test_a_prefix_cache_reset_gives_waiting_requests_floors_back(make_plugin_sch
     submit("next", conv + [rng.randrange(1, 30000) for _ in range(PAGE * 30)], 2)
     step()
     assert [r.request_id for r in sched.running] == ["cold"]
-    assert [pos for pos, _ in sched._atom_floors.held["next"]] == [9856]
+    assert [pos for pos, _ in sched.atom.floors.held["next"]] == [9856]
     assert sched.reset_prefix_cache(reset_running_requests=True) is True
-    assert sched._atom_floors.held == {} and sched._atom_floors.held_pages == 0
+    assert sched.atom.floors.held == {} and sched.atom.floors.held_pages == 0
     # the queue goes on: both finish (the cold prompt resumes from its
     # preemption, not as a new request), the next turn now from 0
     resumed = {}

@@ -20,7 +20,8 @@ pytest.importorskip("vllm")
 
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first  # noqa: E402
 
-from atom_hybrid_cache.vllm.gdn_torch_cpu import core_gating, gdn_core_torch, gdn_gating  # noqa: E402
+from atom_hybrid_cache.kernels.gating import gdn_gating  # noqa: E402
+from atom_hybrid_cache.vllm.gdn_torch_cpu import core_gating, gdn_core_torch  # noqa: E402
 from atom_hybrid_cache.vllm.interior_cpu import store_targets_from_torch_core  # noqa: E402
 
 H, HV, K, V, W = 2, 2, 16, 16, 4

@@ -44,7 +44,7 @@ def test_enabled_parses_once_and_is_idempotent(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         plugin.register()
         plugin.register()
-    assert plugin._registered.interval_tokens == 4096
+    assert plugin._registered.placement.interval_tokens == 4096
     assert sum("atom_hybrid_cache enabled" in r.message for r in caplog.records) == 1
 
 
@@ -73,7 +73,7 @@ def test_vllm_loader_calls_register(monkeypatch):
     monkeypatch.setattr(plugins, "plugins_loaded", False, raising=False)
     plugins.load_general_plugins()
     assert plugin._registered is not None
-    assert plugin._registered.interval_tokens == -1
+    assert plugin._registered.placement.interval_tokens == -1
 
 
 # -- the scheduler class (registration.default_scheduler_class) -------------
@@ -141,7 +141,7 @@ def test_enabled_plugin_makes_our_scheduler_the_default(monkeypatch, caplog):
     assert not hasattr(wrapped.__wrapped__, "__wrapped__")
 
 
-# -- the prefix-hash unit (registration.default_prefix_match_unit) ----------
+# -- the prefix-hash unit (registration.default_hash_unit) ----------
 
 def _hash_unit(block_size, prefix_match_unit, ours=True):
     """vLLM's (scheduler block, hash unit) for qwen3.5-27b-like geometry, as
@@ -188,7 +188,7 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
     from vllm.v1.core import kv_cache_utils
     from vllm.v1.engine import core
     wrapped = kv_cache_utils.resolve_kv_cache_block_sizes
-    registration.default_prefix_match_unit()
+    registration.default_hash_unit()
     assert kv_cache_utils.resolve_kv_cache_block_sizes is wrapped
     assert core.resolve_kv_cache_block_sizes is wrapped
     assert not hasattr(wrapped.__wrapped__, "__wrapped__")
@@ -229,16 +229,16 @@ def test_additional_config_sets_the_engines_settings(monkeypatch, caplog):
     # a server's defaults: the gate auto, so off in this 146-page pool (48
     # checkpoints' worth, test_admission_gate.py), stats every 100
     # admissions (the replay's 0)
-    assert plain._atom is not None and not plain._atom_hits_first and plain._atom_gate is None
-    assert plain._atom.stats_log_interval == 100
+    assert plain.atom.planner is not None and not plain.atom.hits_first and plain.atom.gate is None
+    assert plain.atom.planner.stats_log_interval == 100
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         tuned = _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_ORDER": "hits-first",
                                                          "ATOM_ADMISSION_GATE": "on",
                                                          "ATOM_STATE_CHECKPOINT_SPAN": [0.5, 0.875],
                                                          "ATOM_STATS_LOG_INTERVAL": 7}})
-    assert tuned._atom_hits_first and tuned._atom_gate is not None
-    assert tuned._atom.placement.span_fractions == (0.5, 0.875)
-    assert tuned._atom.stats_log_interval == 7
+    assert tuned.atom.hits_first and tuned.atom.gate is not None
+    assert tuned.atom.planner.policy.placement.span_fractions == (0.5, 0.875)
+    assert tuned.atom.planner.stats_log_interval == 7
     assert any(m.startswith("atom_hybrid_cache: settings from --additional-config: ")
                for m in caplog.messages)
     with pytest.raises(ConfigError, match=r"ATOM_ADMISSION_GATE='yes' must be one of off, on, auto "

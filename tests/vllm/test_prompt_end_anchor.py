@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from atom_hybrid_cache.vllm.scheduler import AtomSchedulerMixin  # noqa: E402
+from atom_hybrid_cache.vllm.anchor_holds import PromptEndAnchors  # noqa: E402
 
 PROMPT = 3000          # tokens; 46 hash units of 64, the last boundary at 2,944
 DECODE = 24            # output tokens: many steps after vLLM gives the page back
@@ -29,7 +29,7 @@ def _prompt_end_pages(sched, block_hashes, prompt_len):
     H = sched.hash_block_size
     pos = (prompt_len - 1) // H * H
     pages = sched.kv_cache_manager.block_pool.get_cached_block(
-        block_hashes[pos // H - 1], sched._atom_state_groups)
+        block_hashes[pos // H - 1], sched.atom.state_groups)
     if pages is None:
         return pos, None
     return pos, [(b.block_id, b.ref_cnt, b.block_hash_num_tokens) for b in pages]
@@ -54,12 +54,12 @@ def test_the_prompt_end_state_is_held_while_the_request_decodes(plugin_scheduler
     prompt, hashes, (pos, mid) = _run_first_turn(sched, submit, step)
     assert pos == 2944
     # mid-decode: indexed, one page per state group, each held by the request
-    assert mid is not None and len(mid) == len(sched._atom_state_groups) == 3
+    assert mid is not None and len(mid) == len(sched.atom.state_groups) == 3
     assert [(refs, at) for _, refs, at in mid] == [(1, 2944)] * 3
     # released with the request: back in the LRU, still indexed
     _, after = _prompt_end_pages(sched, hashes, PROMPT)
     assert [(page, refs) for page, refs, _ in after] == [(page, 0) for page, _, _ in mid]
-    assert sched._atom_anchors == {} and not sched._atom_anchor_pending
+    assert sched.atom.anchors.held == {} and not sched.atom.anchors.pending
     # the next turn resends the prompt (and its answer) and resumes there
     submit("turn-2", prompt + [7] * DECODE + [11] * 500, 4)
     assert step() == {"turn-2": 2944}
@@ -67,7 +67,7 @@ def test_the_prompt_end_state_is_held_while_the_request_decodes(plugin_scheduler
 
 def test_without_the_hold_vllm_gives_the_page_back_during_the_decode(plugin_scheduler, monkeypatch):
     """The counterfactual: what the hold changes."""
-    monkeypatch.setattr(AtomSchedulerMixin, "_hold_prompt_end_states", lambda self: None)
+    monkeypatch.setattr(PromptEndAnchors, "hold_pending", lambda self, requests: None)
     sched, submit, step = plugin_scheduler
     _, _, (pos, mid) = _run_first_turn(sched, submit, step)
     assert pos == 2944 and mid is not None

@@ -33,7 +33,7 @@ def _serve_conversation(sched, submit, step, ends=PAGE_ALIGNED_ENDS):
     hash boundary before the last token) sits at ends[t].
     Returns (the last request's block hashes, its computed tokens,
     {prompt-end position: turn})."""
-    page = sched._atom.block_size
+    page = sched.atom.planner.block_size
     assert page == 448 and sched.hash_block_size == 64
     rng = random.Random(1)
     prompt: list = []
@@ -79,7 +79,7 @@ def _retained(sched, hashes, anchors, last_release):
     released = set(last_release)
     retained, at = [], {}
     for pos in sorted(anchors):
-        pages = pool.get_cached_block(hashes[pos // H - 1], sched._atom_state_groups)
+        pages = pool.get_cached_block(hashes[pos // H - 1], sched.atom.state_groups)
         assert pages is not None, pos   # no pressure here: every state is still indexed
         ids = {b.block_id for b in pages}
         if ids <= released:
@@ -93,7 +93,7 @@ def _retained(sched, hashes, anchors, last_release):
 def test_recent_turns_anchors_leave_with_the_prefix_on_release(plugin_scheduler, monkeypatch):
     sched, submit, step = plugin_scheduler
     calls = _spy_releases(sched, monkeypatch)
-    assert sched._atom.placement.retain_fractions == (0.5, 0.75, 0.875, 0.94)
+    assert sched.atom.planner.policy.placement.retain_fractions == (0.5, 0.75, 0.875, 0.94)
     hashes, end, anchors = _serve_conversation(sched, submit, step)
     assert end == 448 * 19 + 1 + DECODE - 1
     retained, at = _retained(sched, hashes, anchors, calls[-1])
@@ -110,7 +110,7 @@ def test_the_old_fractions_left_recent_anchors_to_age(plugin_scheduler, monkeypa
     before (0.5, 0.85), the anchors of the turns between 0.5 and the
     resume point (6,272, 7,616) are not taken back."""
     sched, submit, step = plugin_scheduler
-    monkeypatch.setattr(sched._atom, "placement",
+    monkeypatch.setattr(sched.atom.planner.policy, "placement",
                         PlacementConfig(retain_fractions=(0.5, 0.85)))
     calls = _spy_releases(sched, monkeypatch)
     hashes, _, anchors = _serve_conversation(sched, submit, step)
@@ -137,7 +137,7 @@ def test_anchors_between_pages_are_found(make_plugin_scheduler, monkeypatch):
     assert end == 8896 + 1 + DECODE - 1
     pool = sched.kv_cache_manager.block_pool
     states = [p for p in range(64, end, 64) if pool.get_cached_block(
-        hashes[p // 64 - 1], sched._atom_state_groups) is not None]
+        hashes[p // 64 - 1], sched.atom.state_groups) is not None]
     # the prompt ends and the page boundaries that prefill chunks ended on
     assert states == sorted([*anchors, *(448 * k for k in range(8, 20))])
     retained, at = _retained(sched, hashes, dict.fromkeys(states), calls[-1])

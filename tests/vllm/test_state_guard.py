@@ -5,10 +5,10 @@ of the same raw buffer: a block id a state checkpoint gives back can be handed
 to the attention group, and its bytes are then read as K/V.  These tests
 simulate that with one raw byte pool per test, viewed both as fp32 state
 images and as a paged KV cache (fp32 and bf16), and check that
-:class:`~atom_hybrid_cache.vllm.state_guard.StateImageGuard` keeps the bytes
+:class:`~state_guard.StateImageGuard` (tests/vllm/state_guard.py) keeps the bytes
 out of attention outputs:
 
-* against :func:`~atom_hybrid_cache.vllm.paged_decode_ref.paged_decode`, a
+* against :func:`~paged_decode_ref.paged_decode` (tests/vllm/paged_decode_ref.py), a
   reference decode that, like the fast GPU kernels, reads whole pages and
   padded block-table lanes (guard on: finite and bit-identical to a clean
   cache; guard off: NaN);
@@ -38,8 +38,8 @@ import platform
 import pytest
 import torch
 
-from atom_hybrid_cache.vllm.paged_decode_ref import paged_decode, paged_decode_masked_safe
-from atom_hybrid_cache.vllm.state_guard import (
+from paged_decode_ref import paged_decode, paged_decode_masked_safe
+from state_guard import (
     NullBlockStateWriteError,
     PendingZeroingError,
     StateImageGuard,

@@ -1,7 +1,7 @@
 """GPU timing of the chunked gated delta forward with and without interior
 checkpoint extraction, against the cut prefill it replaces.
 
-    python -m atom_hybrid_cache.kernels.bench [--kind gdn|kda|both] [--rows 4]
+    python3 benchmarks/kernel_bench.py [--kind gdn|kda|both] [--rows 4]
            [--row-tokens 8192] [--targets-per-row 4] [--json PATH]
 
 Per layer, for packed prefill rows of Qwen3-Next (GDN) / Kimi-Linear (KDA)
@@ -83,8 +83,8 @@ def bench_kind(kda: bool, rows: int, row_tokens: int, targets_per_row: int,
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
 
-    from .chunk_forward import gated_delta_chunk_forward
-    from .state_checkpoint import CheckpointWrites, store_interior_checkpoints
+    from atom_hybrid_cache.kernels.chunk_forward import gated_delta_chunk_forward
+    from atom_hybrid_cache.kernels.state_checkpoint import CheckpointWrites, store_interior_checkpoints
 
     dev, dt = "cuda", torch.bfloat16
     H, HV, K, V, W = (32, 32, 128, 128, 4) if kda else (16, 32, 128, 128, 4)

@@ -13,14 +13,10 @@ prometheus_client = pytest.importorskip("prometheus_client")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
 
-from atom_hybrid_cache.core.stats import CacheStats  # noqa: E402
-from atom_hybrid_cache.vllm.metrics_connector import (  # noqa: E402
-    AtomCacheStats,
-    AtomPromMetrics,
-    AtomStatsConnector,
-    stats_delta,
-    stats_snapshot,
-)
+from atom_hybrid_cache.core.stats import CacheStats, counter_delta  # noqa: E402
+from atom_hybrid_cache.connector.metrics import (AtomCacheStats, AtomPromMetrics,  # noqa: E402
+                                                 stats_snapshot)
+from atom_hybrid_cache.connector.stats_connector import AtomStatsConnector  # noqa: E402
 
 
 class _Reporter:
@@ -45,7 +41,7 @@ def test_each_report_carries_what_moved_since_the_last_one():
     stats.record_write("anchor")
     first = conn.get_kv_connector_stats()
     assert first.data == {"admissions": 1, "prompt_tokens": 1200, "reusable": 1100,
-                          "compressed": 1100, "cached": 576, "paged_match_state_miss": 1,
+                          "kv_reach": 1100, "cached": 576, "paged_match_state_miss": 1,
                           "checkpoint_would_fix": 1, "resumed": 1, "written_by_kind": {"anchor": 2}}
     assert conn.get_kv_connector_stats() is None
     stats.record_admission(600, 0, 0, 0, 0)
@@ -79,7 +75,7 @@ def test_delta_lists_only_counters_that_moved():
     s = CacheStats()
     s.record_admission(600, 0, 0, 0, 0)
     s.record_write("backoff")
-    assert stats_delta(stats_snapshot(s), before) == {
+    assert counter_delta(stats_snapshot(s), before) == {
         "admissions": 1, "prompt_tokens": 600, "written_by_kind": {"backoff": 1}}
 
 

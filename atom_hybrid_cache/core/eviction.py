@@ -1,0 +1,85 @@
+"""The order a freed request's pages go back to the shared LRU.
+
+A state checkpoint is worth something only with every KV page below it, so a
+state and the KV pages between it and the next lower state are one unit,
+and units leave from the top: a cut under pressure shortens a conversation
+to its next lower checkpoint instead of taking its states first and leaving
+KV nobody can resume on (vLLM's own order frees the state groups before the
+attention group). Pages are opaque handles here: the vLLM adapter passes
+its block objects, already classified.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+
+class FreedState(NamedTuple):
+    """A state page a freed request gives back: the state after `position`
+    tokens when `cached` (indexed), else a running page with no position."""
+
+    handle: object
+    position: int
+    cached: bool
+
+
+class KVPages(NamedTuple):
+    """One KV group's pages of a freed request, in column order: page i
+    holds tokens [(first_column + i) * block_size, + block_size), and
+    `cached[i]` says whether it is indexed. One object per group, not per
+    page: a long prompt frees hundreds of pages at once."""
+
+    block_size: int
+    handles: Sequence
+    cached: Sequence[bool]
+    first_column: int = 0
+
+
+def eviction_order(states: Sequence[FreedState], kv: Sequence[KVPages] = (),
+                   reuse_aware: bool = True) -> list:
+    """The handles, first evicted first. Uncached pages go first (they are
+    reused before anything is evicted anyway); a KV page belongs to the
+    lowest state above its first token. Without `reuse_aware`, vLLM's
+    order: KV, then states."""
+    if not reuse_aware:
+        return [h for run in kv for h in run.handles] + [b.handle for b in states]
+    tops = sorted({b.position for b in states if b.cached}, reverse=True)
+    first = []
+    # units[0]: KV pages above every state; units[u + 1]: tops[u]'s pages
+    units: list = [[] for _ in range(len(tops) + 1)]
+    merge = len(kv) > 1
+    for size, handles, cached, c0 in kv:
+        n = len(handles)
+        first += [h for h, c in zip(handles, cached) if not c]
+        # page i is tops[u]'s when ceil(tops[u+1] / size) <= c0 + i < ceil(tops[u] / size)
+        bounds = [min(n, max(0, -(-pos // size) - c0)) for pos in tops] + [0]
+        hi = n
+        for u, lo in enumerate(bounds):
+            # from the top page down; across groups merged by end below
+            for i in range(hi - 1, lo - 1, -1):
+                if cached[i]:
+                    units[u].append(((c0 + i + 1) * size, handles[i]) if merge else handles[i])
+            hi = min(hi, lo)
+    if merge:
+        units = [[h for _, h in sorted(unit, key=lambda e: -e[0])] for unit in units]
+    at: dict = {}
+    for b in states:
+        if b.cached:
+            at.setdefault(b.position, []).append(b.handle)
+        else:
+            first.append(b.handle)
+    out = first + units[0]
+    for u, pos in enumerate(tops):
+        out += at[pos]
+        out += units[u + 1]
+    return out
+
+
+def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float]) -> list[int]:
+    """Where a release looks for older states of the prefix to take back
+    into its units: the state it resumed from (`hit`) and, for each retain
+    fraction, the highest state at or below that fraction of `end` (the
+    tokens it computed). Older anchors beyond those are history and stay
+    where their own request left them in the LRU."""
+    wanted = [hit] if hit else []
+    return wanted + [int(end * f) for f in retain_fractions]

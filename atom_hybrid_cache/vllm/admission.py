@@ -1,0 +1,67 @@
+"""Admission: a request's checkpoints are planned when vLLM first sizes its
+prefill chunk (`chunk_tokens`, from `_mamba_block_aligned_split`), each
+chunk ends on the next planned checkpoint, and the step's admissions are
+counted once vLLM has scheduled them (`after_schedule`). The plan itself is
+the core's (`CheckpointPlanner.plan`).
+"""
+
+from __future__ import annotations
+
+
+def kv_prefix_tokens(pool, kv_groups, request, hash_unit: int, hit: int = 0) -> int:
+    """How far the KV groups `kv_groups` ([(group id, block size)]) alone
+    hold `request`'s prompt in `pool`, in whole blocks of each, the shortest
+    group's answer; the walk starts at `hit`, which every group serves."""
+    hashes = request.block_hashes
+    limit = request.num_tokens - 1
+    best = None
+    for g, step in kv_groups:
+        n = hit // step * step
+        while n + step <= limit:
+            i = (n + step) // hash_unit - 1
+            if i >= len(hashes) or pool.get_cached_block(hashes[i], [g]) is None:
+                break
+            n += step
+        best = n if best is None else min(best, n)
+    return best or 0
+
+
+def chunk_tokens(sched, parts, request, n: int, start: int, local_hit: int) -> int:
+    """How many of the `n` tokens vLLM would schedule for `request` from
+    `start` this prefill chunk computes: up to the next planned checkpoint
+    (without interior extraction a linear layer stores a state only at a
+    chunk's end). A request not started yet (new or preempted) is planned
+    from this admission's hit first; one waiting for room is asked again
+    every step, and replanned only when its hit moved. `local_hit`: the
+    tokens its GPU prefix cache serves."""
+    planner = parts.planner
+    rid = request.request_id
+    if request.num_computed_tokens == 0:
+        plan = planner.plans.get(rid)
+        if plan is None or plan.hit != start:
+            reach = kv_prefix_tokens(sched.kv_cache_manager.block_pool, parts.kv_groups,
+                                     request, sched.hash_block_size, local_hit)
+            planner.plan(rid, request.num_prompt_tokens, request.block_hashes, hit=start,
+                         kv_reach=max(start, reach))
+    end = planner.chunk_stop(rid, start, start + n)
+    if end >= request.num_prompt_tokens and parts.anchors is not None:
+        parts.anchors.pending.add(rid)
+    return end - start
+
+
+def after_schedule(sched, parts, out) -> None:
+    """Count the step's admissions (what each reused), the states its
+    forwards write from inside, and hold the prompt-end states of the
+    prompts now scheduled to their end."""
+    planner = parts.planner
+    for new in out.scheduled_new_reqs:
+        planner.admitted(new.req_id, new.num_computed_tokens)
+        parts.passed_over.pop(new.req_id, None)
+    if planner.interior_readable:
+        for rid, n in out.num_scheduled_tokens.items():
+            request = sched.requests[rid]
+            end = request.num_computed_tokens
+            if end - n < request.num_prompt_tokens:
+                planner.forward_scheduled(rid, end - n, end)
+    if parts.anchors is not None and parts.anchors.pending:
+        parts.anchors.hold_pending(sched.requests)

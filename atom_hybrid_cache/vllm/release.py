@@ -1,0 +1,120 @@
+"""Release: a freed request's pages go back to vLLM's shared LRU in units.
+
+`free_in_units` collects the request's pages from every KV cache group, the
+states the plugin held for it (prompt-end anchor, floors) and a few older
+states of its prefix (`core.eviction.refreshed_positions`), and frees them
+in the core's order (`core.eviction.eviction_order`).
+"""
+
+from __future__ import annotations
+
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from ..core.eviction import FreedState, KVPages, eviction_order, refreshed_positions
+
+
+def free_in_units(sched, parts, request) -> None:
+    planner = parts.planner
+    rid = request.request_id
+    anchor = parts.anchors.release(rid)
+    floors = parts.floors.release(rid) if parts.floors is not None else ()
+    kvm = sched.kv_cache_manager
+    pool = kvm.block_pool
+    states: list[FreedState] = []
+    kv: list[KVPages] = []
+    nulls = []
+    held = set()
+    kept = []
+    primary = parts.state_groups[0]
+    for g, m in enumerate(kvm.coordinator.single_type_managers):
+        blocks = m.pop_blocks_for_free(rid)
+        if not isinstance(m.kv_cache_spec, MambaSpec):
+            # (null pages, e.g. out of a sliding window, count as uncached)
+            kv.append(KVPages(m.block_size, blocks, [b.block_hash is not None for b in blocks]))
+            continue
+        for b in blocks:
+            if b.is_null:
+                nulls.append(b)   # vLLM passes them too; free_blocks skips them
+                continue
+            held.add(b.block_id)
+            if b.block_hash is not None:
+                pos = b.block_hash_num_tokens or 0
+                states.append(FreedState(b, pos, True))
+                if g == primary:
+                    kept.append(pos)
+            else:
+                states.append(FreedState(b, 0, False))
+    if anchor is not None:
+        # the prompt-end state this request held goes back with its pages
+        pos, pages = anchor
+        states += _held_states_back(pool, pos, pages, held)
+        if pos not in kept:
+            kept.append(pos)
+    for pos, pages in floors:
+        # held since the request entered the admission window: they go
+        # back in its units, below the KV they insure
+        states += _held_states_back(pool, pos, pages, held)
+    states += _refreshed_states(parts, request, held)
+    # vLLM keeps the prompt-end state in a page of its own (a copy of the
+    # state at the prefill's last hash boundary), not in the block table:
+    # count it here when this request did not hold it
+    prompt_end = parts.anchors.prompt_end(request)
+    if (anchor is None and prompt_end and prompt_end not in kept
+            and parts.anchors.states_at(request, prompt_end) is not None):
+        kept.append(prompt_end)
+    order = nulls + eviction_order(states, kv)
+    unit = sched.hash_block_size
+    planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], kept)
+    if sched._request_blocks_can_be_freed(request):
+        pool.free_blocks(order)
+    else:
+        # drained in reverse (see vLLM's Scheduler._drain_deferred_frees)
+        sched.deferred_frees.append((sched.sched_step_seq, order[::-1]))
+
+
+def give_back_held(sched, parts, request) -> None:
+    """Without units (`ATOM_STATE_CHECKPOINT_EVICTION=lru`, or vLLM's
+    release bookkeeping missing): the references the plugin held for the
+    request go back before vLLM frees its pages in vLLM's order."""
+    rid = request.request_id
+    pool = sched.kv_cache_manager.block_pool
+    anchor = parts.anchors.release(rid) if parts.anchors is not None else None
+    floors = parts.floors.release(rid) if parts.floors is not None else ()
+    for _, pages in ([anchor] if anchor is not None else []) + list(floors):
+        pool.free_blocks(pages)
+    unit = sched.hash_block_size
+    parts.planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], ())
+
+
+def _held_states_back(pool, pos: int, pages, held: set) -> list[FreedState]:
+    """A state the plugin held a reference on (the prompt-end anchor, a
+    floor), given back with the freed request's pages, in its unit. A page
+    still in its block table (`held`) only loses our reference: vLLM's goes
+    back with the table."""
+    out = []
+    for b in pages:
+        if b.block_id in held:
+            pool.free_blocks([b])
+        else:
+            held.add(b.block_id)
+            out.append(FreedState(b, pos, True))
+    return out
+
+
+def _refreshed_states(parts, request, held: set) -> list[FreedState]:
+    """The states other requests left on this prefix that leave with this
+    request's KV in unit order (`refreshed_positions`): taken back from
+    where the LRU holds them."""
+    plan = parts.planner.plans.get(request.request_id)
+    wanted = refreshed_positions(plan.hit if plan is not None else 0,
+                                 request.num_computed_tokens,
+                                 parts.planner.policy.placement.retain_fractions)
+    pool = parts.states.pool
+    out = []
+    for pos, blocks in parts.states.highest_at_or_below(request.block_hashes, wanted):
+        new = [b for b in blocks if b.block_id not in held]
+        pool.touch(new)
+        for b in new:
+            held.add(b.block_id)
+            out.append(FreedState(b, pos, True))
+    return out

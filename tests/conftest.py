@@ -1,0 +1,29 @@
+"""Test markers, by folder, so a fast loop exists:
+
+    python3 -m pytest -q -m "not slow"     # everything but the model runs (~1-2 min)
+    python3 -m pytest -q -m unit           # no vLLM: core, replay, config, kernels
+    python3 -m pytest -q -m vllm           # vLLM's real scheduler, no model
+    python3 -m pytest -q -m e2e            # vLLM on the tiny model
+
+`unit`: tests/test_*.py and tests/kernels; `vllm`: tests/vllm; `e2e`:
+tests/e2e (tests/e2e/conftest.py); `slow`: marked in the modules that run
+the model over workloads or start `vllm serve` (tens of seconds each).
+`.ci/run` runs them all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_HERE = Path(__file__).resolve().parent
+_BY_FOLDER = {_HERE / "vllm": "vllm", _HERE / "kernels": "unit", _HERE: "unit"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = Path(str(item.fspath)).resolve().parent
+        marker = _BY_FOLDER.get(folder)
+        if marker is not None:
+            item.add_marker(getattr(pytest.mark, marker))
