@@ -38,7 +38,7 @@ DEFAULT_HEADROOM_PER_SEQ = 8
 MAX_HASH_UNIT_TOKENS = 64
 
 # The vLLM plugin's defaults where the replay planner's differ (its own state
-# slots lose with the cold ladder; floors hold pages of vLLM's shared pool):
+# slots lose with the cold checkpoints; floors hold pages of vLLM's shared pool):
 SERVER_STATS_LOG_INTERVAL = 100         # admissions between two stats reports
 SERVER_COLD_FRACTIONS = (0.5, 0.875)    # ATOM_STATE_CHECKPOINT_COLD
 SERVER_FLOOR_FRACTIONS = (0.25, 0.5)    # ATOM_STATE_CHECKPOINT_FLOOR

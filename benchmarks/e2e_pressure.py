@@ -11,7 +11,7 @@ caching keep when the KV pool cannot hold every live conversation?
 ``ATOM_INTERIOR_CHECKPOINTS=on`` (checkpoints written inside prefill forwards
 instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
 ``plugin-no-cold`` and ``plugin-no-cold-gated-hits-first`` run without the
-server's cold ladder (``ATOM_STATE_CHECKPOINT_COLD=``), beside the policies
+server's cold checkpoints (``ATOM_STATE_CHECKPOINT_COLD=``), beside the policies
 with it; ``plugin-no-floor`` and ``plugin-no-floor-gated-hits-first`` without
 its floor states (``ATOM_STATE_CHECKPOINT_FLOOR=``). The server's admission
 gate is ``auto`` by default (2026-12-01, later: on in a pool of at least 100
@@ -480,7 +480,7 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = value
-        # no-cold / no-floor: without the server's cold ladder / floor states,
+        # no-cold / no-floor: without the server's cold checkpoints / floor states,
         # beside the policy with them in the same run; the others run with
         # what was exported
         for tag, var, exported in (("no-cold", "ATOM_STATE_CHECKPOINT_COLD", EXPORTED_COLD),

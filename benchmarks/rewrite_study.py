@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['header_gap_deciles']}")
         print(f"  above it, tokens of the previous prompt dropped, deciles: "
               f"{r['above_first_dropped_deciles']}")
-        print("  a cold ladder keeps of the inside-first tokens: " + ", ".join(
+        print("  cold checkpoints keep of the inside-first tokens: " + ", ".join(
             f"{k} {v}" for k, v in r["ladder_keeps"].items()))
     if args.json:
         args.json.write_text(json.dumps(report, indent=1) + "\n")

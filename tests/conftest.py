@@ -13,6 +13,7 @@ the model over workloads or start `vllm serve` (tens of seconds each).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = _BY_FOLDER.get(folder)
         if marker is not None:
             item.add_marker(getattr(pytest.mark, marker))
+
+
+@pytest.fixture(autouse=True)
+def _plugin_settings_restored():
+    """Every test leaves the plugin's variables (ATOM_*, VLLM_PLUGINS) as it
+    found them: the benchmarks a test drives set them per policy, and one
+    left behind would change what a later test measures."""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("ATOM_") or k == "VLLM_PLUGINS"}
+    yield
+    for k in [k for k in os.environ if k.startswith("ATOM_") or k == "VLLM_PLUGINS"]:
+        if k not in saved:
+            del os.environ[k]
+    os.environ.update(saved)

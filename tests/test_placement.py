@@ -190,11 +190,11 @@ def test_no_cold_checkpoint_below_four_checkpoints_worth_of_kv():
     # of 300 tokens: none below 1,200, so 1,184 goes
     assert _cold_targets(2408, 0, 300, cold_fractions=(0.5, 0.875)) == {
         2080: "cold", 2400: "anchor"}
-    # the floor is for the cold ladder only: the anchor stays
+    # the floor is for the cold checkpoints only: the anchor stays
     assert _cold_targets(2408, 0, 1000, cold_fractions=(0.5, 0.875)) == {2400: "anchor"}
 
 
-def test_a_pool_of_fewer_than_100_checkpoints_keeps_no_cold_ladder():
+def test_a_pool_of_fewer_than_100_checkpoints_keeps_no_cold_checkpoints():
     from atom_hybrid_cache.core.pool_budget import affordable_cold_fractions
     assert affordable_cold_fractions((0.5, 0.875), 100 * 384, 384) == (0.5, 0.875)
     assert affordable_cold_fractions((0.5, 0.875), 100 * 384 - 1, 384) == ()
@@ -202,7 +202,7 @@ def test_a_pool_of_fewer_than_100_checkpoints_keeps_no_cold_ladder():
     assert affordable_cold_fractions((0.5,), 10, 0) == (0.5,)
 
 
-def test_the_core_manager_drops_an_unaffordable_cold_ladder_and_says_so():
+def test_the_core_manager_drops_an_unaffordable_cold_checkpoints_and_says_so():
     from atom_hybrid_cache.config import PlacementConfig, ReplayPoolConfig
     from atom_hybrid_cache.core.manager import HybridCacheManager
     said = []
@@ -211,7 +211,7 @@ def test_the_core_manager_drops_an_unaffordable_cold_ladder_and_says_so():
     small = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=64, placement=cold,
                                                 checkpoint_kv_tokens=16), warn=said.append)
     assert small.policy.placement.cold_fractions == ()
-    assert said == ["cold ladder off: the KV pool (1,008 tokens) holds 63 checkpoints' worth, "
+    assert said == ["cold checkpoints off: the KV pool (1,008 tokens) holds 63 checkpoints' worth, "
                     "under 100"]
     roomy = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=128, placement=cold,
                                                 checkpoint_kv_tokens=16), warn=said.append)
@@ -228,7 +228,7 @@ def test_a_small_pool_drops_the_floor_states_too_and_names_what_it_dropped():
     assert said == []
     small, small_floors = drop_unaffordable(cold, floors, 99 * 384, 384, said.append)
     assert (small.cold_fractions, small_floors) == ((), ())
-    assert said == ["cold ladder and floor states off: the KV pool (38,016 tokens) holds 99 "
+    assert said == ["cold checkpoints and floor states off: the KV pool (38,016 tokens) holds 99 "
                     "checkpoints' worth, under 100"]
     assert drop_unaffordable(PlacementConfig(), (0.5,), 10 * 384, 384, said.append)[1] == ()
     assert said[-1].startswith("floor states off: the KV pool (3,840 tokens)")

@@ -190,7 +190,7 @@ def plan_checkpoints(prompt_len: int, block_size: int, *, hit: int, kv_reach: in
     # appends much (a large file read, a conversation's start) leaves a gap
     # as wide as what it appended, and a cut inside it under pressure costs
     # all of it. A state at each fraction the span covers gives the
-    # release's retain ladder (`retain_fractions`) a state near each of its
+    # release's retain fractions (`retain_fractions`) a state near each of its
     # fractions.
     _add_prompt_fractions(t, L, B, p.span_fractions, hit, anchor or L - successor_room,
                           CheckpointKind.SPAN)

@@ -2,7 +2,7 @@
 
 The replay's manager and the vLLM adapter's planner both build one and ask
 it where an admitted prompt leaves checkpoints, so the rule is the same
-code in both: the interval snapped to the block, a cold ladder the pool
+code in both: the interval snapped to the block, cold checkpoints the pool
 cannot afford dropped (`pool_budget`), the request's share of the pool.
 """
 
@@ -24,7 +24,7 @@ class CheckpointPolicy:
         `pool_kv_tokens`: the whole pool's KV tokens; `checkpoint_kv_tokens`:
         how many tokens of KV one checkpoint's bytes would hold (0:
         unknown); `floor_fractions`: the server's floor states, dropped
-        with the cold ladder where the pool cannot afford them
+        with the cold checkpoints where the pool cannot afford them
         (`self.floor_fractions`). `warn` says what was snapped or dropped
         (`budget_warn`, if given, what was dropped)."""
         self.interval = snap_interval(placement.interval_tokens, block_size, warn)

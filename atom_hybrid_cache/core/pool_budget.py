@@ -1,7 +1,7 @@
 """The pool's size counted in checkpoints, and what a small pool goes without.
 
 A checkpoint costs the KV of `checkpoint_kv_tokens` tokens (its bytes over
-the KV bytes per token). The cold ladder's and the floors' states are
+the KV bytes per token). The cold checkpoints' and the floors' states are
 insurance, most never read, and each takes its pages from the live
 prefixes; the admission gate holds requests to protect prefixes. On the
 measured pools of 21 and 30 checkpoints' worth the ladder cost a fifth to a
@@ -48,9 +48,9 @@ def affordable_cold_fractions(fractions: tuple, pool_kv_tokens: int,
 
 def drop_unaffordable(placement, floor_fractions: tuple, pool_kv_tokens: int,
                       checkpoint_kv_tokens: int, warn: Callable[[str], None]):
-    """(`placement`, `floor_fractions`) without the cold ladder and the floor
+    """(`placement`, `floor_fractions`) without the cold checkpoints and the floor
     states where the pool cannot afford them, saying so through `warn`."""
-    dropped = [name for name, fractions in (("cold ladder", placement.cold_fractions),
+    dropped = [name for name, fractions in (("cold checkpoints", placement.cold_fractions),
                                             ("floor states", floor_fractions))
                if fractions and not affordable_cold_fractions(fractions, pool_kv_tokens,
                                                               checkpoint_kv_tokens)]

@@ -37,7 +37,7 @@ def diagnose_shared_pool(s: dict) -> Diagnosis:
         lines.append(
             "binds: state - KV prefixes were held with no state at their end; in vLLM's one "
             "pool a state leaves with its KV, so these states were never placed there or were "
-            "taken first: keep the cold ladder and floor states on (ATOM_STATE_CHECKPOINT_COLD, "
+            "taken first: keep the cold checkpoints and floor states on (ATOM_STATE_CHECKPOINT_COLD, "
             "ATOM_STATE_CHECKPOINT_FLOOR; a pool under 100 checkpoints' worth goes without "
             "them), or add states inside long prompts (ATOM_STATE_CHECKPOINT_SPAN=0.5,0.875)")
     else:

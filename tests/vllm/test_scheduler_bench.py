@@ -106,8 +106,8 @@ def test_plugin_runs_if_available(conversations, plugin):
     assert r.requests == 19 and r.prompt_tokens == 294_053
     assert r.hit_tokens <= r.ceiling_tokens and r.hit_above_ceiling_requests == 0
     # Pinned, above native pmu64's 189,952 on this tiny sample (91 pages, 30
-    # checkpoints' worth of KV: the plugin runs without its cold ladder,
-    # which cost this pool 28,544 tokens: BENCHMARKS.md, "The cold ladder"). Before each
+    # checkpoints' worth of KV: the plugin runs without its cold checkpoints,
+    # which cost this pool 28,544 tokens: BENCHMARKS.md, "The cold checkpoints"). Before each
     # live request held its prompt-end state it got 172,928: in 91 pages
     # vLLM's page of that state went back to the LRU during the decode and
     # was evicted before the next turn came. Holding 3 pages per live

@@ -1,4 +1,4 @@
-"""The server's cold ladder (`config.SERVER_COLD_FRACTIONS`), on vLLM's real
+"""The server's cold checkpoints (`config.SERVER_COLD_FRACTIONS`), on vLLM's real
 Scheduler and block pool with the plugin (no model; 448-token pages, a
 checkpoint = the KV of 1,344 tokens).
 
@@ -7,8 +7,8 @@ besides its end, so a later prompt that keeps only part of it (a compaction
 that keeps the system prompt and tools, a retry) resumes there instead of at
 0. A position under `placement.COLD_MIN_SAVING` checkpoints' worth of KV
 (4 x 1,344 = 5,376 tokens) gets none, and a pool under
-`placement.MIN_POOL_CHECKPOINTS` checkpoints' worth runs without the
-ladder. `ATOM_STATE_CHECKPOINT_COLD=` (empty) turns it off.
+`pool_budget.MIN_POOL_CHECKPOINTS` checkpoints' worth runs without
+them. `ATOM_STATE_CHECKPOINT_COLD=` (empty) turns it off.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_the_server_default_keeps_states_inside_a_cold_prompt(make_plugin_schedu
     assert resumed == 8960
 
 
-def test_an_empty_setting_turns_the_cold_ladder_off(make_plugin_scheduler, monkeypatch):
+def test_an_empty_setting_turns_the_cold_checkpoints_off(make_plugin_scheduler, monkeypatch):
     states, resumed = _serve(make_plugin_scheduler, monkeypatch, "")
     assert states == VLLM_OWN
     assert resumed == 0
@@ -88,11 +88,11 @@ def test_other_fractions_are_taken_as_given(make_plugin_scheduler, monkeypatch):
     assert resumed == 10752
 
 
-def test_a_pool_of_few_checkpoints_runs_without_the_ladder(make_plugin_scheduler, monkeypatch,
-                                                           caplog):
+def test_a_pool_of_few_checkpoints_runs_without_them(make_plugin_scheduler, monkeypatch,
+                                                     caplog):
     # 2.5 GiB: 91 pages, 40,320 tokens of KV, 30 checkpoints' worth
     with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
         states, resumed = _serve(make_plugin_scheduler, monkeypatch, None, budget_gib=2.5)
     assert states == VLLM_OWN and resumed == 0
-    assert ("cold ladder off: the KV pool (40,320 tokens) holds 30 checkpoints' worth, under 100"
+    assert ("cold checkpoints off: the KV pool (40,320 tokens) holds 30 checkpoints' worth, under 100"
             in caplog.text)
