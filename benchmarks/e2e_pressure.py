@@ -221,8 +221,12 @@ PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-gated", "plugin-gated-
                    "plugin-interior", "plugin-interior-hits-first", "plugin-zeroed-states",
                    "plugin-no-cold", "plugin-no-cold-gated-hits-first",
                    "plugin-no-floor", "plugin-no-floor-gated-hits-first"]
+# The plugin with its LMCache store connector (AtomLMCacheConnector), a CPU
+# tier of STORE_MULTIPLE x the GPU pool's bytes (`--store-multiple`).
+STORE_POLICIES = ["plugin-store"]
+STORE_MULTIPLE = 4.0
 POLICIES = ["off", "off-rechunked", "native", "native-pmu64", "native-dense", "attention-control",
-            "attention-control-gated", *PLUGIN_POLICIES]
+            "attention-control-gated", *PLUGIN_POLICIES, *STORE_POLICIES]
 # ATOM_STATE_CHECKPOINT_COLD and _FLOOR as exported when the bench started
 # (the no-cold and no-floor policies set theirs empty for their own engines).
 EXPORTED_COLD = os.environ.get("ATOM_STATE_CHECKPOINT_COLD")
@@ -447,6 +451,10 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
     inside larger blocks; vLLM rejects it on a block of 64 or less (whose
     own hash unit is already that fine)."""
     fine_unit = {"prefix_match_unit": 64} if block_size > 64 else {}
+    if policy in STORE_POLICIES:
+        return {**policy_kwargs("plugin", block_size), "kv_transfer_config": {
+            "kv_connector": "AtomLMCacheConnector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute"}}
     os.environ.pop("ATOM_ADMISSION_GATE", None)   # set below for the gated policies
     if policy not in PLUGIN_POLICIES:
         # Not enabled for this engine: an earlier plugin run in this process
@@ -681,16 +689,71 @@ def zero_state_pages(llm) -> None:
         ssm.zero_()
 
 
+def block_id_bytes(llm) -> int:
+    """Bytes of one page id over every KV cache tensor of an engine."""
+    config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    return sum(t.size for t in config.kv_cache_tensors) // config.num_blocks
+
+
+def store_env(store_bytes: int, disk_dir: str | None = None) -> dict:
+    """LMCache's variables for a CPU tier of `store_bytes` (and a local
+    disk tier in `disk_dir` of the same size, where given)."""
+    gb = f"{store_bytes / (1 << 30):.6f}"
+    env = {"LMCACHE_LOCAL_CPU": "True", "LMCACHE_MAX_LOCAL_CPU_SIZE": gb,
+           "LMCACHE_CHUNK_SIZE": "256", "LMCACHE_LOG_LEVEL": "WARNING"}
+    if disk_dir:
+        env.update(LMCACHE_LOCAL_DISK=f"file://{disk_dir}", LMCACHE_MAX_LOCAL_DISK_SIZE=gb)
+    return env
+
+
+def store_counters(llm) -> dict:
+    """The store connector's counters (in-process engines)."""
+    import dataclasses
+    connector = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    return dataclasses.asdict(connector.store_counters)
+
+
+def record_store_loads(llm) -> dict:
+    """{send index: tokens its first admission loads from the store} of an
+    in-process engine with the store connector, filled as it runs. The
+    figure vLLM reports per request (`num_cached_tokens`) is the GPU hit
+    plus this; a reload after a preemption is not a first admission (vLLM
+    does not count it either). Request ids of a `vllm.LLM` start with the
+    send index (counted from 0 per engine)."""
+    sched = llm.llm_engine.engine_core.engine_core.scheduler
+    connector = sched.connector
+    loads: dict = {}
+    planned = connector.update_state_after_alloc
+
+    def update_state_after_alloc(request, blocks, num_external_tokens):
+        if num_external_tokens > 0 and request.num_preemptions == 0:
+            loads.setdefault(int(request.request_id.split("-")[0]), num_external_tokens)
+        return planned(request, blocks, num_external_tokens)
+
+    connector.update_state_after_alloc = update_state_after_alloc
+    return loads
+
+
 def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
                geometry: str = "default", scheduler_only: bool = False, observer=None,
-               **extra) -> dict[str, Any]:
+               store_multiple: float = STORE_MULTIPLE, **extra) -> dict[str, Any]:
     block_size = GEOMETRIES[geometry]["block_size"]
     kwargs = policy_kwargs(policy, block_size)
     if geometry != "default":
         kwargs["block_size"] = block_size
     kwargs.update(extra)
+    model = model_for(policy, geometry, max_model_len)
+    if policy in STORE_POLICIES:
+        # the CPU tier's size from the pool's bytes (an engine measures them)
+        probe = make_llm(model, num_blocks, max_model_len,
+                         **{k: v for k, v in kwargs.items() if k != "kv_transfer_config"})
+        page = block_id_bytes(probe)
+        shutdown(probe)
+        del probe
+        gc.collect()
+        os.environ.update(store_env(int(store_multiple * num_blocks * page)))
     t0 = time.monotonic()
-    llm = make_llm(model_for(policy, geometry, max_model_len), num_blocks, max_model_len, **kwargs)
+    llm = make_llm(model, num_blocks, max_model_len, **kwargs)
     t1 = time.monotonic()
     used = llm.llm_engine.vllm_config.cache_config.block_size
     if used != block_size:
@@ -699,6 +762,8 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
         shutdown(llm)
         raise RuntimeError(f"{geometry} geometry: vLLM runs {used}-token blocks, "
                            f"the budgets assume {block_size}")
+    store = None
+    loads = record_store_loads(llm) if policy in STORE_POLICIES else None
     try:
         if scheduler_only:
             run = replay_scheduler_only(llm, convs, rounds, observer)
@@ -706,12 +771,16 @@ def run_policy(policy: str, convs, rounds, num_blocks: int, max_model_len: int,
             run = replay(llm, convs, rounds, with_margins=True,
                          after_round=zero_state_pages if policy == "plugin-zeroed-states"
                          else None)
+        if policy in STORE_POLICIES:
+            store = {**store_counters(llm), "per_request_loaded": [
+                loads.get(j, 0) for j in range(len(run.cached))]}
     finally:
         shutdown(llm)
         del llm
         gc.collect()
     t2 = time.monotonic()
     return {"policy": policy, "num_blocks": num_blocks, **run._asdict(),
+            **({"store": store} if store is not None else {}),
             "start_s": round(t1 - t0, 2), "replay_s": round(t2 - t1, 2)}
 
 
@@ -858,6 +927,8 @@ def main(argv: list[str] | None = None) -> int:
                          "outputs are reused, and caching off replays only the requests "
                          "(of the --off-every sample) it lacks; logprob gaps are then "
                          "measured at its 4 decimals")
+    ap.add_argument("--store-multiple", type=float, default=STORE_MULTIPLE, metavar="X",
+                    help="plugin-store: LMCache's CPU tier holds X times the GPU pool's bytes")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
     if args.off_every < 1:
@@ -873,6 +944,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.scheduler_only and "plugin-zeroed-states" in args.policies.split(","):
         ap.error("plugin-zeroed-states changes outputs only: "
                  "it means nothing with --scheduler-only")
+    if args.scheduler_only and set(STORE_POLICIES) & set(args.policies.split(",")):
+        ap.error("the store connector's loads run in the worker: "
+                 f"{', '.join(STORE_POLICIES)} cannot run with --scheduler-only")
 
     t_start = time.monotonic()
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -970,13 +1044,16 @@ def main(argv: list[str] | None = None) -> int:
                           flush=True)
             else:
                 r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry,
-                               scheduler_only=args.scheduler_only, dtype=args.dtype)
+                               scheduler_only=args.scheduler_only, dtype=args.dtype,
+                               store_multiple=args.store_multiple)
             if pol in RUN_ONCE and not args.scheduler_only:
                 off_outputs[pol] = r
             ref_run = off_outputs.get("attention-control-off" if pol.startswith("attention-control")
                                       else "off")
             ref = ref_run["outputs"] if ref_run is not None else None
             total = sum(r["cached"])
+            # the store's share of the cached tokens (first admissions)
+            loaded = sum(r["store"]["per_request_loaded"]) if "store" in r else 0
             compared = ref is not None and pol not in REFERENCE_RUNS
             # (with --off-every, requests without a reference are not compared)
             differ = [j for j, (a, b) in enumerate(zip(r["outputs"], ref))
@@ -985,6 +1062,8 @@ def main(argv: list[str] | None = None) -> int:
             row = {"multiple": m, "policy": pol, "num_blocks": nb, "cached_tokens": total,
                    "oracle_tokens": sum(oracle),
                    "ratio": round(total / sum(oracle), 4) if sum(oracle) else None,
+                   "gpu_cached_tokens": total - loaded, "store_loaded_tokens": loaded,
+                   "computed_tokens": workload["prompt_tokens"] - total,
                    "oracle_block_tokens": oracle_blocks,
                    "block_ratio": round(total / oracle_blocks, 4) if oracle_blocks else None,
                    # None on the reference (caching-off) rows themselves
@@ -1000,6 +1079,8 @@ def main(argv: list[str] | None = None) -> int:
                    "differing_max_off_margin": round(max(ref_run["margins"][j] for j in differ), 4)
                    if differ else None,
                    "start_s": r["start_s"], "replay_s": r["replay_s"],
+                   "s_per_request": round(r["replay_s"] / len(sent), 3),
+                   **({"store": r["store"]} if "store" in r else {}),
                    "per_request_cached": r["cached"],
                    "per_request_output": [o[0] if o else None for o in r["outputs"]],
                    "per_request_logprob": [None if x is None else round(x, 4)
@@ -1007,7 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
                    "per_request_margin": [None if x is None else round(x, 4)
                                           for x in r["margins"]]}
             results.append(row)
-            print(f"  x{m:<5} {pol:22s} blocks {nb:4d}  cached {total:7d}  "
+            print(f"  x{m:<5} {pol:22s} blocks {nb:4d}  cached {total:7d} "
+                  f"(store {loaded})  computed {row['computed_tokens']}  "
                   f"ratio {row['ratio']}  block ratio {row['block_ratio']}  same_as_off {row['same_as_off']}  "
                   f"logprob gap {row['max_logprob_gap']}  differing {row['outputs_differing']} "
                   f"of {row['outputs_compared']} "
@@ -1016,14 +1098,16 @@ def main(argv: list[str] | None = None) -> int:
 
     wall = time.monotonic() - t_start
     print()
-    hdr = (f"{'multiple':>8} {'policy':22s} {'blocks':>6} {'cached':>8} {'oracle':>8} {'ratio':>6} "
-           f"{'block oracle':>12} {'ratio':>6} {'same_as_off':>11} {'lp gap':>7}")
+    hdr = (f"{'multiple':>8} {'policy':22s} {'blocks':>6} {'cached':>8} {'store':>8} "
+           f"{'oracle':>8} {'ratio':>6} {'block oracle':>12} {'ratio':>6} {'computed':>9} "
+           f"{'s/req':>6} {'same_as_off':>11} {'lp gap':>7}")
     print(hdr)
     print("-" * len(hdr))
     for r in results:
         print(f"{r['multiple']:>8} {r['policy']:22s} {r['num_blocks']:>6} {r['cached_tokens']:>8} "
-              f"{r['oracle_tokens']:>8} {str(r['ratio']):>6} {r['oracle_block_tokens']:>12} "
-              f"{str(r['block_ratio']):>6} {str(r['same_as_off']):>11} "
+              f"{r['store_loaded_tokens']:>8} {r['oracle_tokens']:>8} {str(r['ratio']):>6} "
+              f"{r['oracle_block_tokens']:>12} {str(r['block_ratio']):>6} "
+              f"{r['computed_tokens']:>9} {r['s_per_request']:>6} {str(r['same_as_off']):>11} "
               f"{str(r['max_logprob_gap']):>7}")
     print(f"\nwall time: {wall:.1f} s")
     if args.json:

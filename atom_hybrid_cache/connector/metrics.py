@@ -60,9 +60,41 @@ KIND_COUNTERS = {
                         "State checkpoints written, by placement kind.", "kind"),
 }
 
+# The store connector's counters (`ConnectorCounters` field, prefixed
+# "store_" in a snapshot): the same two kinds of table.
+STORE_COUNTERS = {
+    "spills_requested": ("vllm:atom_store_spills_requested",
+                         "Store objects the scheduler asked the worker to spill."),
+    "spills_stored": ("vllm:atom_store_spills_stored", "Store objects stored."),
+    "loads_attempted": ("vllm:atom_store_loads_attempted", "Requests sent to load from the store."),
+    "loads_completed": ("vllm:atom_store_loads_completed", "Loads from the store completed."),
+    "joint_boundaries": ("vllm:atom_store_joint_boundaries",
+                         "Loads planned, each at one boundary for KV and state."),
+    "loaded_tokens": ("vllm:atom_store_loaded_tokens",
+                      "Prompt tokens loads resumed past the GPU's own hit."),
+    "bytes_spilled": ("vllm:atom_store_bytes_spilled", "Bytes stored."),
+    "bytes_loaded": ("vllm:atom_store_bytes_loaded", "Bytes loaded."),
+}
+STORE_REASON_COUNTERS = {
+    "spills_dropped": ("vllm:atom_store_spills_dropped", "Spills dropped, by reason.", "reason"),
+    "loads_failed": ("vllm:atom_store_loads_failed",
+                     "Loads failed (the request recomputed), by reason.", "reason"),
+    "declines": ("vllm:atom_store_declines", "Lookups without a load, by reason.", "reason"),
+}
+STORE_PREFIX = "store_"
+COUNTERS.update({STORE_PREFIX + k: v for k, v in STORE_COUNTERS.items()})
+KIND_COUNTERS.update({STORE_PREFIX + k: v for k, v in STORE_REASON_COUNTERS.items()})
 
-def stats_snapshot(stats: CacheStats) -> dict:
-    return counter_snapshot(stats, COUNTERS, KIND_COUNTERS)
+
+def stats_snapshot(stats: CacheStats, store=None) -> dict:
+    """The plugin's counters now, and the store connector's (`store`, a
+    `ConnectorCounters`) where there is one."""
+    snap = counter_snapshot(stats, [n for n in COUNTERS if not n.startswith(STORE_PREFIX)],
+                            [n for n in KIND_COUNTERS if not n.startswith(STORE_PREFIX)])
+    if store is not None:
+        snap.update({STORE_PREFIX + k: v for k, v in counter_snapshot(
+            store, STORE_COUNTERS, STORE_REASON_COUNTERS).items()})
+    return snap
 
 
 @dataclasses.dataclass
@@ -107,7 +139,7 @@ class AtomPromMetrics(KVConnectorPromMetrics):
                     self._kind_counters[name].labels(*labels, kind).inc(n)
 
 
-def stats_delta_since(stats: CacheStats, before: dict) -> tuple[dict, dict]:
+def stats_delta_since(stats: CacheStats, before: dict, store=None) -> tuple[dict, dict]:
     """(the counters now, how far they moved since `before`)."""
-    now = stats_snapshot(stats)
+    now = stats_snapshot(stats, store)
     return now, counter_delta(now, before)

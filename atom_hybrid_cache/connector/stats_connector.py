@@ -29,11 +29,13 @@ class AtomStatsConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config, role, kv_cache_config)
         self._stats: Optional[CacheStats] = None
         self._reported: dict = {}
+        # the store connector's counters (None here: this one moves nothing)
+        self.store_counters = None
 
     def report(self, stats: CacheStats) -> None:
         """Called by AtomScheduler with the planner's counters."""
         self._stats = stats
-        self._reported = stats_snapshot(stats)
+        self._reported = stats_snapshot(stats, self.store_counters)
 
     # -- scheduler side: nothing to load, nothing held back -------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
@@ -54,7 +56,7 @@ class AtomStatsConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> Optional[AtomCacheStats]:
         if self._stats is None:
             return None
-        now, delta = stats_delta_since(self._stats, self._reported)
+        now, delta = stats_delta_since(self._stats, self._reported, self.store_counters)
         if not delta:
             return None
         self._reported = now

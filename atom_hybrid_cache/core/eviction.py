@@ -16,11 +16,13 @@ from typing import NamedTuple, Sequence
 
 class FreedState(NamedTuple):
     """A state page a freed request gives back: the state after `position`
-    tokens when `cached` (indexed), else a running page with no position."""
+    tokens when `cached` (indexed), else a running page with no position;
+    `group`: its state group (-1: not known)."""
 
     handle: object
     position: int
     cached: bool
+    group: int = -1
 
 
 class KVPages(NamedTuple):
@@ -35,44 +37,75 @@ class KVPages(NamedTuple):
     first_column: int = 0
 
 
-def eviction_order(states: Sequence[FreedState], kv: Sequence[KVPages] = (),
-                   reuse_aware: bool = True) -> list:
-    """The handles, first evicted first. Uncached pages go first (they are
-    reused before anything is evicted anyway); a KV page belongs to the
-    lowest state above its first token. Without `reuse_aware`, vLLM's
-    order: KV, then states."""
-    if not reuse_aware:
-        return [h for run in kv for h in run.handles] + [b.handle for b in states]
+class Unit(NamedTuple):
+    """A state and the KV pages between it and the next lower state: what a
+    resume at `position` needs beyond the units below. `states` are the
+    state pages' handles (`state_groups`: their groups); `kv` lists (KV
+    group index, the page's end in tokens, handle), top page first."""
+
+    position: int
+    states: list
+    kv: list
+    state_groups: list = []
+
+
+class FreedUnits(NamedTuple):
+    """A freed request's pages by unit: `uncached` (reused before anything
+    is evicted), `above` (KV above every state: no resume can read it) and
+    the `units`, top first."""
+
+    uncached: list
+    above: list
+    units: list
+
+    def order(self) -> list:
+        """The handles, first evicted first."""
+        out = self.uncached + [h for _, _, h in self.above]
+        for unit in self.units:
+            out += unit.states + [h for _, _, h in unit.kv]
+        return out
+
+
+def freed_units(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> FreedUnits:
+    """A KV page belongs to the lowest state above its first token; within a
+    unit the pages of several groups go by their end, top first."""
     tops = sorted({b.position for b in states if b.cached}, reverse=True)
-    first = []
-    # units[0]: KV pages above every state; units[u + 1]: tops[u]'s pages
-    units: list = [[] for _ in range(len(tops) + 1)]
-    merge = len(kv) > 1
-    for size, handles, cached, c0 in kv:
+    uncached = []
+    # pages[0]: KV pages above every state; pages[u + 1]: tops[u]'s pages
+    pages: list = [[] for _ in range(len(tops) + 1)]
+    for g, (size, handles, cached, c0) in enumerate(kv):
         n = len(handles)
-        first += [h for h, c in zip(handles, cached) if not c]
+        uncached += [h for h, c in zip(handles, cached) if not c]
         # page i is tops[u]'s when ceil(tops[u+1] / size) <= c0 + i < ceil(tops[u] / size)
         bounds = [min(n, max(0, -(-pos // size) - c0)) for pos in tops] + [0]
         hi = n
         for u, lo in enumerate(bounds):
-            # from the top page down; across groups merged by end below
-            for i in range(hi - 1, lo - 1, -1):
+            for i in range(hi - 1, lo - 1, -1):   # from the top page down
                 if cached[i]:
-                    units[u].append(((c0 + i + 1) * size, handles[i]) if merge else handles[i])
+                    pages[u].append((g, (c0 + i + 1) * size, handles[i]))
             hi = min(hi, lo)
-    if merge:
-        units = [[h for _, h in sorted(unit, key=lambda e: -e[0])] for unit in units]
+    if len(kv) > 1:
+        pages = [sorted(unit, key=lambda e: -e[1]) for unit in pages]
     at: dict = {}
+    groups: dict = {}
     for b in states:
         if b.cached:
             at.setdefault(b.position, []).append(b.handle)
+            groups.setdefault(b.position, []).append(b.group)
         else:
-            first.append(b.handle)
-    out = first + units[0]
-    for u, pos in enumerate(tops):
-        out += at[pos]
-        out += units[u + 1]
-    return out
+            uncached.append(b.handle)
+    return FreedUnits(uncached, pages[0], [Unit(pos, at[pos], pages[u + 1], groups[pos])
+                                           for u, pos in enumerate(tops)])
+
+
+def eviction_order(states: Sequence[FreedState], kv: Sequence[KVPages] = (),
+                   reuse_aware: bool = True) -> list:
+    """The handles, first evicted first. Uncached pages go first (they are
+    reused before anything is evicted anyway); then units from the top.
+    Without `reuse_aware`, vLLM's order: KV, then states."""
+    if not reuse_aware:
+        return [h for run in kv for h in run.handles] + [b.handle for b in states]
+    return freed_units(states, kv).order()
 
 
 def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float]) -> list[int]:

@@ -109,6 +109,8 @@ class CheckpointPlanner:
         self.pool_state = pool_state
         self._log = log
         self.plans = CheckpointPlans(interior_readable)
+        # more lines for the stats report (a store connector's)
+        self.extra_lines: list = []
         self.oracle = PrefixOracle(SEEN_HASH_LIMIT)
 
     # -- admission -----------------------------------------------------
@@ -188,4 +190,5 @@ class CheckpointPlanner:
 
     # -- diagnostics ---------------------------------------------------
     def stats_lines(self) -> list[str]:
-        return format_shared_pool_lines(self.stats, self.pool_state(), self.gate_on)
+        return (format_shared_pool_lines(self.stats, self.pool_state(), self.gate_on)
+                + [line() for line in self.extra_lines])

@@ -36,8 +36,9 @@ def chunk_tokens(sched, parts, request, n: int, start: int, local_hit: int) -> i
     tokens its GPU prefix cache serves."""
     planner = parts.planner
     rid = request.request_id
-    if request.num_computed_tokens == 0:
-        plan = planner.plans.get(rid)
+    plan = planner.plans.get(rid)
+    # (a request a KV connector loaded starts past 0, and unplanned)
+    if request.num_computed_tokens == 0 or plan is None:
         if plan is None or plan.hit != start:
             reach = kv_prefix_tokens(sched.kv_cache_manager.block_pool, parts.kv_groups,
                                      request, sched.hash_block_size, local_hit)

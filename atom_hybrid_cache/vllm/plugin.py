@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 from ..config import ENV_VARS, ConfigError, Settings, load_settings, server_defaults
+from ..connector.llvmlite_guard import make_llvmlite_scan_safe
 from .registration import PLUGIN_NAME, enabled, register_all
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -67,6 +68,9 @@ def register() -> None:
         # Fail start-up loudly: a typo must not silently fall back.
         raise ConfigError(f"atom_hybrid_cache: {e}") from None
     register_all()
+    # a process that loaded LMCache before this engine's worker starts
+    # (see connector.llvmlite_guard)
+    make_llvmlite_scan_safe()
     _registered = settings
     exported = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
     logger.info("atom_hybrid_cache enabled (pid %d); settings %s; from environment: %s",

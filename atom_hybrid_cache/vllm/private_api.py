@@ -26,6 +26,9 @@ STEADY_SHORTCUTS = "steady-step shortcuts of the state managers"
 FAST_PREFIX_LOOKUP = "one-lookup state search in the prefix index"
 CPU_GDN_FORWARD = ("the plugin's CPU GDN forward (interior checkpoints, float32 models; "
                    "vLLM's forward runs instead)")
+# (LMCache's, not vLLM's: the store connector's close reads two of them)
+STORE_REMOTE_DRAIN = ("waiting for the LMCache remote tier's queued puts at close "
+                      "(the last spills may be lost)")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_CPU_GDN, "_unpacked_conv_weight", CPU_GDN_FORWARD),
     # a private module: its fused gating op for the bf16 interior recompute
     PrivateName("vllm", "_custom_ops", CPU_GDN_FORWARD),
+    PrivateName("lmcache.v1.storage_backend.job_executor.pq_executor:AsyncPQExecutor",
+                "_queue", STORE_REMOTE_DRAIN, on_instances=True),
+    PrivateName("lmcache.v1.storage_backend.connector.instrumented_connector:"
+                "InstrumentedRemoteConnector", "_connector", STORE_REMOTE_DRAIN,
+                on_instances=True),
 )
 
 

@@ -2,7 +2,7 @@
 
 Written against vLLM 0.32.0. Through vLLM's registries: our state specs with
 their managers (`KVCacheSpecRegistry`), our GDN layer
-(`QwenGatedDeltaNetAttention.register_oot`), the stats connector
+(`QwenGatedDeltaNetAttention.register_oot`), the connectors
 (`KVConnectorFactory`). Two monkeypatches (`PATCHES`) for two choices vLLM
 makes from a setting and no registry, each only where its setting is unset
 and the plugin enabled: the scheduler class (`default_scheduler_class`) and
@@ -85,18 +85,19 @@ def register_gdn_layer() -> None:
 
 
 @functools.cache
-def register_stats_connector() -> None:
-    """`--kv-transfer-config '{"kv_connector": "AtomStatsConnector", ...}'`
-    resolves to our connector. Idempotent."""
+def register_connectors() -> None:
+    """`--kv-transfer-config '{"kv_connector": NAME, ...}'` resolves to our
+    connectors: `AtomStatsConnector` (counters to /metrics) and
+    `AtomLMCacheConnector` (prefixes in LMCache, with the counters)."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from ..connector.stats_connector import CONNECTOR_NAME
-
-    try:
-        KVConnectorFactory.register_connector(
-            CONNECTOR_NAME, "atom_hybrid_cache.connector.stats_connector", CONNECTOR_NAME)
-    except ValueError:
-        pass   # registered already (by an earlier load in this process)
+    for name, module in (("AtomStatsConnector", "atom_hybrid_cache.connector.stats_connector"),
+                         ("AtomLMCacheConnector",
+                          "atom_hybrid_cache.connector.lmcache_connector")):
+        try:
+            KVConnectorFactory.register_connector(name, module, name)
+        except ValueError:
+            pass   # registered already (by an earlier load in this process)
 
 
 @functools.cache
@@ -231,6 +232,6 @@ def register_all() -> None:
     private_api.check()
     register_cache_manager()
     register_gdn_layer()
-    register_stats_connector()
+    register_connectors()
     default_scheduler_class()
     default_hash_unit()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..core.eviction import FreedState, KVPages, eviction_order, refreshed_positions
+from ..core.eviction import FreedState, KVPages, freed_units, refreshed_positions
 
 
 def free_in_units(sched, parts, request) -> None:
@@ -39,7 +39,7 @@ def free_in_units(sched, parts, request) -> None:
             held.add(b.block_id)
             if b.block_hash is not None:
                 pos = b.block_hash_num_tokens or 0
-                states.append(FreedState(b, pos, True))
+                states.append(FreedState(b, pos, True, g))
                 if g == primary:
                     kept.append(pos)
             else:
@@ -47,13 +47,13 @@ def free_in_units(sched, parts, request) -> None:
     if anchor is not None:
         # the prompt-end state this request held goes back with its pages
         pos, pages = anchor
-        states += _held_states_back(pool, pos, pages, held)
+        states += _held_states_back(pool, pos, pages, held, parts.state_groups)
         if pos not in kept:
             kept.append(pos)
     for pos, pages in floors:
         # held since the request entered the admission window: they go
         # back in its units, below the KV they insure
-        states += _held_states_back(pool, pos, pages, held)
+        states += _held_states_back(pool, pos, pages, held, parts.state_groups)
     states += _refreshed_states(parts, request, held)
     # vLLM keeps the prompt-end state in a page of its own (a copy of the
     # state at the prefill's last hash boundary), not in the block table:
@@ -62,14 +62,28 @@ def free_in_units(sched, parts, request) -> None:
     if (anchor is None and prompt_end and prompt_end not in kept
             and parts.anchors.states_at(request, prompt_end) is not None):
         kept.append(prompt_end)
-    order = nulls + eviction_order(states, kv)
+    freed = freed_units(states, kv)
+    order = nulls + freed.order()
     unit = sched.hash_block_size
     planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], kept)
     if sched._request_blocks_can_be_freed(request):
         pool.free_blocks(order)
+        if parts.store is not None:
+            _watch_units(pool, parts.store, request, freed)
     else:
         # drained in reverse (see vLLM's Scheduler._drain_deferred_frees)
         sched.deferred_frees.append((sched.sched_step_seq, order[::-1]))
+
+
+def _watch_units(pool, store, request, freed) -> None:
+    """Register the freed units with the store connector, and have vLLM
+    call it when it reuses one of their pages (`BlockPool.unpin_blocks`'s
+    watcher; taking a reference and giving it back through it keeps each
+    page where `free_blocks` put it in the LRU)."""
+    store.spill_registry.register(store.unit_hashes(request), freed)
+    watched = [h for u in freed.units for h in u.states + [b for _, _, b in u.kv]]
+    pool.touch(watched)
+    pool.unpin_blocks(watched, on_reuse=store.spill_registry.on_reuse)
 
 
 def give_back_held(sched, parts, request) -> None:
@@ -86,18 +100,18 @@ def give_back_held(sched, parts, request) -> None:
     parts.planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], ())
 
 
-def _held_states_back(pool, pos: int, pages, held: set) -> list[FreedState]:
+def _held_states_back(pool, pos: int, pages, held: set, groups) -> list[FreedState]:
     """A state the plugin held a reference on (the prompt-end anchor, a
-    floor), given back with the freed request's pages, in its unit. A page
-    still in its block table (`held`) only loses our reference: vLLM's goes
-    back with the table."""
+    floor; `pages` in the order of the state `groups`), given back with the
+    freed request's pages, in its unit. A page still in its block table
+    (`held`) only loses our reference: vLLM's goes back with the table."""
     out = []
-    for b in pages:
+    for b, g in zip(pages, groups):
         if b.block_id in held:
             pool.free_blocks([b])
         else:
             held.add(b.block_id)
-            out.append(FreedState(b, pos, True))
+            out.append(FreedState(b, pos, True, g))
     return out
 
 
@@ -112,9 +126,9 @@ def _refreshed_states(parts, request, held: set) -> list[FreedState]:
     pool = parts.states.pool
     out = []
     for pos, blocks in parts.states.highest_at_or_below(request.block_hashes, wanted):
-        new = [b for b in blocks if b.block_id not in held]
-        pool.touch(new)
-        for b in new:
+        new = [(b, g) for b, g in zip(blocks, parts.state_groups) if b.block_id not in held]
+        pool.touch([b for b, _ in new])
+        for b, g in new:
             held.add(b.block_id)
-            out.append(FreedState(b, pos, True))
+            out.append(FreedState(b, pos, True, g))
     return out

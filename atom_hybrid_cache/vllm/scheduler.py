@@ -28,6 +28,8 @@ from .scheduler_setup import SchedulerParts, build_parts
 class AtomSchedulerMixin:
     # the parts (`build_parts`); all off until the constructor has built them
     atom: SchedulerParts = SchedulerParts()
+    # what the store connector checks the scheduler class for
+    atom_scheduler = True
 
     def _mamba_block_aligned_split(self, request, num_new_tokens: int,
                                    num_new_local_computed_tokens: int = 0,
@@ -52,6 +54,8 @@ class AtomSchedulerMixin:
             parts.floors.hold_window(self)
         if parts.hits_first:
             order_waiting(self, parts.passed_over, hits)
+        if parts.store is not None:
+            parts.store.open_step()
         gated = gate.open(self, hits) if gate is not None else None
         out = None
         try:

@@ -22,7 +22,7 @@ from . import private_api
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
 from .floor_states import FloorStates
-from ..connector.stats_connector import CONNECTOR_NAME, AtomStatsConnector
+from ..connector.stats_connector import AtomStatsConnector
 from .state_manager import AtomStateManager
 from .state_search import StateSearch
 
@@ -48,6 +48,9 @@ class SchedulerParts:
     # a freed request's pages leave in units (reuse-aware eviction, and
     # vLLM's release bookkeeping found)
     units_on_release: bool = False
+    # the store connector (AtomLMCacheConnector), which the release tells
+    # what it frees, or None
+    store: object = None
 
 
 def build_parts(sched) -> SchedulerParts:
@@ -111,7 +114,13 @@ def build_parts(sched) -> SchedulerParts:
     if isinstance(connector, AtomStatsConnector):
         connector.report(planner.stats)
         logger.info("atom_hybrid_cache: counters exported as vllm:atom_* metrics through %s",
-                    CONNECTOR_NAME)
+                    type(connector).__name__)
+    if getattr(connector, "spill_registry", None) is not None:
+        if not parts.units_on_release:
+            raise ValueError("the store connector needs the plugin's release in units "
+                             "(ATOM_STATE_CHECKPOINT_EVICTION=reuse-aware)")
+        parts.store = connector
+        planner.extra_lines.append(connector.stats_line)
     logger.info("atom_hybrid_cache scheduler: %d state groups, %d KV groups, state block %d "
                 "tokens, hash unit %d, pool %d blocks; checkpoints %s; admission order %s; "
                 "admission gate %s; placement %s; floor states %s",

@@ -25,30 +25,12 @@ from __future__ import annotations
 import math
 
 import pytest
+from page_poison import poison_unowned_pages
 
 pytestmark = pytest.mark.slow
 
 PLUGIN_SCHEDULER = "atom_hybrid_cache.vllm.scheduler.AtomScheduler"
 POOL_MULTIPLE = 0.83
-
-
-def _unowned_pages(llm) -> list[int]:
-    """The null block and every free page that indexes nothing."""
-    pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
-    free = pool.free_block_queue.get_all_free_blocks()
-    return [pool.null_block.block_id] + [b.block_id for b in free if b.block_hash is None]
-
-
-def _poison(llm) -> None:
-    core = llm.llm_engine.engine_core.engine_core
-    ctx = (core.model_executor.driver_worker.worker.model_runner
-           .vllm_config.compilation_config.static_forward_context)
-    pages = _unowned_pages(llm)
-    for group in core.scheduler.kv_cache_config.kv_cache_groups:
-        for name in group.layer_names:
-            caches = ctx[name].kv_cache
-            for t in caches if isinstance(caches, (list, tuple)) else [caches]:
-                t[pages] = float("nan")
 
 
 def _serve(llm, convs, rounds, poison: bool) -> list:
@@ -64,7 +46,7 @@ def _serve(llm, convs, rounds, poison: bool) -> list:
             out.append((r.num_cached_tokens, list(o.token_ids),
                         [o.logprobs[k][t].logprob for k, t in enumerate(o.token_ids)]))
         if poison:
-            _poison(llm)
+            poison_unowned_pages(llm)
     return out
 
 
@@ -86,7 +68,7 @@ def test_poisoned_unowned_pages_never_reach_an_output(pressure_bench, elided_wor
         try:
             assert llm.llm_engine.engine_core.engine_core.scheduler.atom.planner is not None
             if poison:
-                _poison(llm)   # before the first round too
+                poison_unowned_pages(llm)   # before the first round too
             return _serve(llm, convs, w.rounds, poison)
         finally:
             E.shutdown(llm)

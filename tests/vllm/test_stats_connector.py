@@ -28,6 +28,7 @@ class _Reporter:
     def __init__(self):
         self._stats = None
         self._reported = {}
+        self.store_counters = None
 
 
 def test_each_report_carries_what_moved_since_the_last_one():
