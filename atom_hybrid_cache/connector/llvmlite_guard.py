@@ -14,12 +14,21 @@ llvmlite's own calls are unchanged.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import sys
 
 
-def make_llvmlite_scan_safe() -> bool:
+def make_llvmlite_scan_safe(load: bool = False) -> bool:
     """Patch llvmlite's library handle where llvmlite is loaded; True when
-    it is (now or before)."""
+    it is (now or before). `load`: where LMCache is installed, load
+    llvmlite's binding first (~40 ms), so that an LMCache imported later in
+    this process (after the plugin registered, before the next engine
+    starts) finds it patched."""
+    if (load and "llvmlite.binding.ffi" not in sys.modules
+            and importlib.util.find_spec("lmcache") is not None
+            and importlib.util.find_spec("llvmlite") is not None):
+        importlib.import_module("llvmlite.binding.ffi")
     ffi = sys.modules.get("llvmlite.binding.ffi")
     handle = getattr(ffi, "lib", None)
     if handle is None:

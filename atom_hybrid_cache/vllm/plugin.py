@@ -68,9 +68,9 @@ def register() -> None:
         # Fail start-up loudly: a typo must not silently fall back.
         raise ConfigError(f"atom_hybrid_cache: {e}") from None
     register_all()
-    # a process that loaded LMCache before this engine's worker starts
+    # a process that loads LMCache before an engine's worker starts
     # (see connector.llvmlite_guard)
-    make_llvmlite_scan_safe()
+    make_llvmlite_scan_safe(load=True)
     _registered = settings
     exported = {k: os.environ[k] for k in ENV_VARS if k in os.environ}
     logger.info("atom_hybrid_cache enabled (pid %d); settings %s; from environment: %s",
