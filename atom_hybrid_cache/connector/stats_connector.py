@@ -32,7 +32,7 @@ class AtomStatsConnector(KVConnectorBase_V1, SupportsHMA):
         # the store connector's counters (None here: this one moves nothing)
         self.store_counters = None
 
-    def report(self, stats: CacheStats) -> None:
+    def report_atom_stats(self, stats: CacheStats) -> None:
         """Called by AtomScheduler with the planner's counters."""
         self._stats = stats
         self._reported = stats_snapshot(stats, self.store_counters)

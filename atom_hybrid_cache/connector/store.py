@@ -24,7 +24,7 @@ import xxhash
 from ..vllm import private_api
 from .framing import HEADER_BYTES, CorruptObject, check, header
 from .keys import ObjectKey, StoreLayout
-from .llvmlite_guard import make_llvmlite_scan_safe
+from ..vllm.llvmlite_guard import make_llvmlite_scan_safe
 
 logger = logging.getLogger("atom_hybrid_cache")
 

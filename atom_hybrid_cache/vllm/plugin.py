@@ -15,7 +15,7 @@ import sys
 from typing import Optional
 
 from ..config import ENV_VARS, ConfigError, Settings, load_settings, server_defaults
-from ..connector.llvmlite_guard import make_llvmlite_scan_safe
+from .llvmlite_guard import make_llvmlite_scan_safe
 from .registration import PLUGIN_NAME, enabled, register_all
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -69,7 +69,7 @@ def register() -> None:
         raise ConfigError(f"atom_hybrid_cache: {e}") from None
     register_all()
     # a process that loads LMCache before an engine's worker starts
-    # (see connector.llvmlite_guard)
+    # (see llvmlite_guard)
     make_llvmlite_scan_safe(load=True)
     _registered = settings
     exported = {k: os.environ[k] for k in ENV_VARS if k in os.environ}

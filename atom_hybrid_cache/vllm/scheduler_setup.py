@@ -22,7 +22,6 @@ from . import private_api
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
 from .floor_states import FloorStates
-from ..connector.stats_connector import AtomStatsConnector
 from .state_manager import AtomStateManager
 from .state_search import StateSearch
 
@@ -111,8 +110,10 @@ def build_parts(sched) -> SchedulerParts:
             parts.floors = FloorStates(pool, states, policy.floor_fractions, num_blocks,
                                        planner.stats)
     connector = getattr(sched, "connector", None)
-    if isinstance(connector, AtomStatsConnector):
-        connector.report(planner.stats)
+    # the plugin's connectors take the planner's counters (checked by the
+    # hook, not the class: the adapter does not import the connector)
+    if callable(getattr(connector, "report_atom_stats", None)):
+        connector.report_atom_stats(planner.stats)
         logger.info("atom_hybrid_cache: counters exported as vllm:atom_* metrics through %s",
                     type(connector).__name__)
     if getattr(connector, "spill_registry", None) is not None:

@@ -111,7 +111,7 @@ def _llvmlite_made_scan_safe():
     as the plugin does where it is enabled."""
     yield
     if "llvmlite.binding.ffi" in sys.modules:
-        from atom_hybrid_cache.connector.llvmlite_guard import make_llvmlite_scan_safe
+        from atom_hybrid_cache.vllm.llvmlite_guard import make_llvmlite_scan_safe
         make_llvmlite_scan_safe()
 
 

@@ -55,6 +55,9 @@ def _serve_env(vllm_cpu_env: dict[str, str], **extra: str) -> dict[str, str]:
     CPU settings, the plugin enabled, and vLLM's default multiprocess engine
     (the fixture's VLLM_ENABLE_V1_MULTIPROCESSING=0 is for in-process tests)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATOM_")}
+    # a directory an earlier engine of this process set up: a server that
+    # inherits it sums the metric files of the servers before it
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     env.update(vllm_cpu_env)
     env.update({
         "VLLM_PLUGINS": PLUGIN,

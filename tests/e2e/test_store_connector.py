@@ -234,7 +234,7 @@ def test_evicted_prefixes_resume_from_cpu_and_disk_with_caching_off_outputs(
     reference, page = off
     from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend
 
-    from atom_hybrid_cache.connector.llvmlite_guard import make_llvmlite_scan_safe
+    from atom_hybrid_cache.vllm.llvmlite_guard import make_llvmlite_scan_safe
     make_llvmlite_scan_safe()   # LMCache imported after the plugin registered
     disk_reads = []
     read = LocalDiskBackend.get_blocking

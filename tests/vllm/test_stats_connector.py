@@ -23,7 +23,7 @@ class _Reporter:
     """The scheduler-side half of AtomStatsConnector without a VllmConfig."""
 
     get_kv_connector_stats = AtomStatsConnector.get_kv_connector_stats
-    report = AtomStatsConnector.report
+    report_atom_stats = AtomStatsConnector.report_atom_stats
 
     def __init__(self):
         self._stats = None
@@ -35,7 +35,7 @@ def test_each_report_carries_what_moved_since_the_last_one():
     stats = CacheStats()
     conn = _Reporter()
     assert conn.get_kv_connector_stats() is None          # no scheduler attached
-    conn.report(stats)
+    conn.report_atom_stats(stats)
     assert conn.get_kv_connector_stats() is None          # nothing moved
     stats.record_admission(1200, 1100, 1100, 1100, 576)
     stats.record_write("anchor")
@@ -54,7 +54,7 @@ def test_each_report_carries_what_moved_since_the_last_one():
 def test_the_admission_gates_holds_are_counters():
     stats = CacheStats()
     conn = _Reporter()
-    conn.report(stats)
+    conn.report_atom_stats(stats)
     stats.record_gate_step([1, 1])
     stats.record_gate_step([2])
     # the longest hold is no counter: the log line carries it

@@ -60,7 +60,7 @@ def test_the_llvmlite_handle_no_longer_breaks_vllms_cpu_kernel_scan():
     import llvmlite.binding.ffi as ffi
     from vllm.triton_utils.dispatcher import _rebind_kernels
 
-    from atom_hybrid_cache.connector.llvmlite_guard import make_llvmlite_scan_safe
+    from atom_hybrid_cache.vllm.llvmlite_guard import make_llvmlite_scan_safe
     assert make_llvmlite_scan_safe() is True
     assert not hasattr(ffi.lib, "__dict__")
     assert callable(ffi.lib.LLVMPY_GetVersionInfo)   # llvmlite's own calls unchanged
