@@ -43,6 +43,7 @@ class ConnectorScheduler:
         self._loading: dict = {}   # request id -> the keys of its load in flight
         self._declined: set = set()   # requests a lookup counted a decline for
         self._failed: set = set()  # requests whose load failed: they recompute
+        self._remote_seen: dict = {}   # request id -> (GPU hit, the remote tier's answer)
 
     def bind(self, unit: int) -> None:
         self.unit = unit
@@ -95,7 +96,12 @@ class ConnectorScheduler:
 
         jb = search(ask_remote=False)
         if self.index.remote is not None:
-            shared = search(ask_remote=True)
+            # round trips: once per request and GPU hit, not at every step
+            # it waits (vLLM asks again until it is admitted)
+            seen = self._remote_seen.get(rid)
+            if seen is None or seen[0] != local:
+                seen = self._remote_seen[rid] = (local, search(ask_remote=True))
+            shared = seen[1]
             if shared.position is not None and (jb.position or 0) < shared.position:
                 jb = shared
         if jb.position is None:
@@ -161,7 +167,7 @@ class ConnectorScheduler:
                     self.index.discard(key)
 
     def finished(self, request_id: str) -> None:
-        for table in (self._hashes, self._planned, self._loading):
+        for table in (self._hashes, self._planned, self._loading, self._remote_seen):
             table.pop(request_id, None)
         self._declined.discard(request_id)
         self._failed.discard(request_id)

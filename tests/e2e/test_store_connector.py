@@ -147,7 +147,7 @@ def leftovers(llm) -> dict:
         "free_pages": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
         "requests": len(sched.requests),
         "tables": sum(map(len, (tables._hashes, tables._planned, tables._loading,
-                                tables._failed, tables._loads))),
+                                tables._failed, tables._loads, tables._remote_seen))),
         "references": sorted({(o.get_ref_count(), o.is_pinned) for o in cpu.hot_cache.values()}),
     }
 
