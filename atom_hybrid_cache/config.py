@@ -134,9 +134,13 @@ class ServerConfig:
     admission_order: str = "arrival"        # vllm/admission_order.py
     admission_gate: str = SERVER_ADMISSION_GATE   # vllm/admission_gate.py
     floor_fractions: tuple = SERVER_FLOOR_FRACTIONS   # vllm/floor_states.py
+    replayssm: bool = False                 # vllm/replayssm.py
+    replayssm_cache_len: Optional[int] = None   # None: 2 * (k + 1)
 
     def __post_init__(self) -> None:
         _one_of("interior_checkpoints", self.interior_checkpoints, INTERIOR_CHECKPOINT_MODES)
+        if self.replayssm_cache_len is not None:
+            _positive("replayssm_cache_len", self.replayssm_cache_len)
         _one_of("admission_order", self.admission_order, ADMISSION_ORDERS)
         _one_of("admission_gate", self.admission_gate, ADMISSION_GATE_MODES)
         _fractions("state_checkpoint_floor", self.floor_fractions)
@@ -322,11 +326,25 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "steps at most), and those prefixes cannot be evicted while a step is scheduled; off: "
         "vLLM's admission; auto (a vLLM server's default): on for a hybrid model whose KV pool "
         "holds at least 100 checkpoints' worth, off otherwise"),
+    "ATOM_ENABLE_REPLAYSSM": (
+        "server", "replayssm", _parse_switch,
+        "1: under speculative decoding, one state page per request (its committed state and "
+        "the records of its last windows) instead of 1 + k; a rejected draft rolls back by "
+        "a cursor. Environment only (it picks the model class). No effect without "
+        "--speculative-config"),
+    "ATOM_REPLAYSSM_CACHE_LEN": (
+        "server", "replayssm_cache_len", _parse_int,
+        "records a ReplaySSM page holds (unset: 2 * (k + 1), the least that works; a smaller "
+        "value is raised to it with a warning); accepted records fold into the state when "
+        "the next window might not fit"),
     "ATOM_STATS_LOG_INTERVAL": (
         "settings", "stats_log_interval", _parse_int,
         "print the cache log lines every N admissions (0: never; a vLLM server's default 100)"),
 }
 
+
+# Settings read before vLLM reads --additional-config (the model class).
+ENVIRONMENT_ONLY = ("ATOM_ENABLE_REPLAYSSM",)
 
 # vLLM's channel for options of what it loads (its own GDN layers read
 # theirs there too): `--additional-config '{"atom_hybrid_cache": {...}}'`.
@@ -354,6 +372,10 @@ def engine_settings(environ: Optional[Mapping[str, str]] = None,
         if var not in ENV_VARS:
             raise ConfigError(f"unknown setting {where}.{var}; known: "
                               f"{', '.join(sorted(ENV_VARS))}")
+        if var in ENVIRONMENT_ONLY:
+            raise ConfigError(f"{where}.{var}: set {var} in the environment of `vllm serve` "
+                              "instead (it chooses the model class, before vLLM reads "
+                              "--additional-config)")
         if isinstance(value, bool):
             raw = "1" if value else "0"
         elif isinstance(value, (int, float, str)):

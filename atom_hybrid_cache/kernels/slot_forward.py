@@ -73,8 +73,10 @@ def _initial(rows: SlotRows, state_pool: torch.Tensor, conv_pool: torch.Tensor):
     return h0, w0
 
 
-def _forward(parts: LayerParts, rows: SlotRows, x: torch.Tensor, a: torch.Tensor,
+def run_rows(parts: LayerParts, rows: SlotRows, x: torch.Tensor, a: torch.Tensor,
              b: torch.Tensor, h0: torch.Tensor, w0: torch.Tensor):
+    """(conv result, g, chunked forward) of `rows` from initial states `h0`
+    and windows `w0`; reads and writes no pool."""
     conv = causal_conv1d_varlen(x, rows.cu_seqlens, parts.conv_weight, parts.conv_bias,
                                 initial_windows=w0, activation=parts.activation)
     q, k, v = parts.split_qkv(conv.output)
@@ -92,7 +94,7 @@ def forward_on_slots(parts: LayerParts, rows: SlotRows, x: torch.Tensor, a: torc
     inputs; writes `out` [T, HV, V] and the rows' state and window slots."""
     n = rows.num_tokens
     h0, w0 = _initial(rows, state_pool, conv_pool)
-    conv, g, fwd = _forward(parts, rows, x[:n], a[:n], b[:n], h0, w0)
+    conv, g, fwd = run_rows(parts, rows, x[:n], a[:n], b[:n], h0, w0)
     out[:n] = fwd.output.to(out.dtype)
     state_pool[rows.slots] = fwd.final_state.to(state_pool.dtype)
     conv_pool[rows.slots] = conv.final_window.to(conv_pool.dtype)
@@ -104,7 +106,7 @@ def recompute_rows(parts: LayerParts, rows: SlotRows, x: torch.Tensor, a: torch.
     """The step's forward for `rows` from their initial states `h0` and
     windows `w0` (taken before another kernel overwrote the slots); writes
     nothing."""
-    _, g, fwd = _forward(parts, rows, x, a, b, h0, w0)
+    _, g, fwd = run_rows(parts, rows, x, a, b, h0, w0)
     return SlotStep(rows.cu_seqlens, w0, g, fwd)
 
 

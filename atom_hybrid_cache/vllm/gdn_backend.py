@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Optional, Sequence
 
+import torch
+
 from vllm.v1.attention.backends.gdn_attn import (GDNAttentionBackend, GDNAttentionMetadata,
                                                  GDNAttentionMetadataBuilder)
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID
@@ -60,16 +62,31 @@ def interior_targets(query_start_loc: Sequence[int], seq_lens: Sequence[int],
 @dataclass
 class AtomGDNMetadata(GDNAttentionMetadata):
     interior: Optional[InteriorTargets] = None
+    # ReplaySSM: each batch row's computed tokens (its page's records are
+    # read up to there: `core.replay_cursor`)
+    computed_tokens: Optional[torch.Tensor] = None
 
 
 class AtomGDNMetadataBuilder(GDNAttentionMetadataBuilder):
     def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
         md = super().build(common_prefix_len, common_attn_metadata, *args, **kwargs)
-        if not getattr(self.kv_cache_spec, "interior_checkpoints", False) or not md.num_prefills:
-            return md
         m = common_attn_metadata
-        if m.seq_lens_cpu_upper_bound is None:
+        extra = {}
+        if getattr(self.kv_cache_spec, "replayssm", False):
+            rows = m.query_start_loc.numel() - 1
+            extra["computed_tokens"] = (m.seq_lens[:rows]
+                                        - (m.query_start_loc[1:] - m.query_start_loc[:-1]))
+        targets = self._interior_targets(md, m)
+        if targets is not None:
+            extra["interior"] = targets
+        if not extra:
             return md
+        return AtomGDNMetadata(**{f.name: getattr(md, f.name) for f in fields(md)}, **extra)
+
+    def _interior_targets(self, md, m) -> Optional[InteriorTargets]:
+        if (not getattr(self.kv_cache_spec, "interior_checkpoints", False) or not md.num_prefills
+                or m.seq_lens_cpu_upper_bound is None):
+            return None
         # prefill rows follow the decode rows (the builder's batch order;
         # the layer declares interior checkpoints only without speculation)
         first = md.num_decodes
@@ -77,9 +94,7 @@ class AtomGDNMetadataBuilder(GDNAttentionMetadataBuilder):
         targets = interior_targets(
             m.query_start_loc_cpu.tolist(), m.seq_lens_cpu_upper_bound.tolist(),
             block_rows, self.kv_cache_spec.block_size, first)
-        out = AtomGDNMetadata(**{f.name: getattr(md, f.name) for f in fields(md)})
-        out.interior = targets if len(targets) else None
-        return out
+        return targets if len(targets) else None
 
 
 class AtomGDNBackend(GDNAttentionBackend):

@@ -4,6 +4,8 @@ core through our op (interior checkpoints, float32). Registered with
 `QwenGatedDeltaNetAttention.register_oot`. Interior checkpoints
 (`ATOM_INTERIOR_CHECKPOINTS=on`) are declared only where the layer has the
 path: vLLM's CPU forward without speculative decoding, in align mode.
+With ReplaySSM (`vllm/replayssm.py`) the layer's pages carry the records
+as a third state tensor and need no speculative pages.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ..config import load_settings, server_defaults
 from ..kernels.capability import interior_states_readable
 from . import private_api
 from .gdn_backend import AtomGDNBackend
+from .replayssm import engine_geometry
 from .spec import AtomGDNSpec
 
 
@@ -33,19 +36,40 @@ def interior_checkpoints_available(vllm_config) -> bool:
 class AtomGDN(QwenGatedDeltaNetAttention):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        from vllm.config import get_current_vllm_config
+        # the record layout where this engine runs ReplaySSM, else None
+        self.replay_geometry = engine_geometry(get_current_vllm_config())
         # the plugin's CPU forward needs vLLM's private CPU GDN helpers
         self.own_cpu_forward = (current_platform.is_cpu()
                                 and private_api.feature_on(private_api.CPU_GDN_FORWARD))
         if self.own_cpu_forward:
             from .interior_cpu import register_cpu_op
             register_cpu_op()
+        elif self.replay_geometry is not None:
+            raise RuntimeError("ATOM_ENABLE_REPLAYSSM=1 runs on the plugin's CPU GDN forward "
+                               "only (float32 CPU models): this platform's GDN kernels keep "
+                               "1 + k state pages; unset it")
+
+    def get_state_shape(self):
+        shapes = super().get_state_shape()
+        if self.replay_geometry is None:
+            return shapes
+        return (*shapes, self.replay_geometry.layout.shape)
+
+    def get_state_dtype(self):
+        dtypes = super().get_state_dtype()
+        if self.replay_geometry is None:
+            return dtypes
+        from ..kernels.replay_records import RECORD_DTYPE
+        return (*dtypes, RECORD_DTYPE)
 
     def get_kv_cache_spec(self, vllm_config):
         spec = super().get_kv_cache_spec(vllm_config)
         if spec is None:
             return None
         return AtomGDNSpec.from_mamba_spec(
-            spec, interior_checkpoints=interior_checkpoints_available(vllm_config))
+            spec, interior_checkpoints=interior_checkpoints_available(vllm_config),
+            replayssm=self.replay_geometry is not None)
 
     def get_attn_backend(self):
         return AtomGDNBackend

@@ -15,6 +15,8 @@ from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_g
 
 from ..kernels.gating import gdn_gating
 from ..kernels.slot_forward import LayerParts, SlotRows, SlotStep, forward_on_slots
+from ..kernels.spec_slot_forward import (ReplayPages, VerifyRows, multislot_verify,
+                                         prefill_rows, replayssm_verify)
 
 # the dtypes vLLM's CPU GDN kernels take; any other goes through `gdn_core_torch`
 VLLM_KERNEL_DTYPES = (torch.bfloat16,)
@@ -49,8 +51,9 @@ def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch
     """One step of `layer` over the rows of `md` (vLLM's GDN metadata:
     decodes first, then prefills), writing `core_attn_out` and the rows'
     state and conv-window slots; `mixed_qkv` is left as it was."""
-    if md.spec_sequence_masks is not None or md.num_accepted_tokens is not None:
-        raise NotImplementedError("the torch GDN core runs without speculative decoding")
+    if getattr(layer, "num_spec", 0):
+        speculative_step_torch(layer, md, mixed_qkv, b, a, core_attn_out)
+        return None
     rows = md.num_decodes + md.num_prefills
     if rows == 0:
         return None
@@ -62,3 +65,63 @@ def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch
                          md.non_spec_state_indices_tensor[:rows].long(), resumes)
     return forward_on_slots(layer_parts(layer), step_rows, mixed_qkv, a, b, core_attn_out,
                             *slot_pools(layer))
+
+
+def replay_pages(layer) -> Optional[ReplayPages]:
+    """The layer's ReplaySSM records, or None (1 + k slots)."""
+    geometry = getattr(layer, "replay_geometry", None)
+    if geometry is None:
+        return None
+    return ReplayPages(layer.kv_cache[2], geometry.layout, geometry.num_spec)
+
+
+def speculative_step_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                           core_attn_out: torch.Tensor) -> None:
+    """A step of a speculative engine: the verify windows (vLLM's "spec
+    decodes") on 1 + k slots or ReplaySSM pages, then the other rows (vLLM
+    routes them all to its prefill kernel beside verify windows)."""
+    pages = replay_pages(layer)
+    computed = getattr(md, "computed_tokens", None)
+    if pages is not None and computed is None:
+        raise RuntimeError("ReplaySSM needs the computed tokens of each row in the metadata")
+    parts = layer_parts(layer)
+    state_pool, conv_pool = slot_pools(layer)
+    masks = md.spec_sequence_masks_cpu
+    n_spec = md.num_spec_decodes if masks is not None else 0
+    if n_spec:
+        if md.num_prefills == 0 and md.num_decodes == 0:
+            token_idx = torch.arange(md.num_spec_decode_tokens)
+        else:
+            token_idx = md.spec_token_indx.long()
+        rows = VerifyRows(md.spec_query_start_loc[:n_spec + 1].to(torch.int32),
+                          md.spec_state_indices_tensor[:n_spec],
+                          num_accepted=md.num_accepted_tokens[:n_spec],
+                          computed=None if computed is None else computed[masks][:n_spec])
+        x, aa, bb = (t.index_select(0, token_idx) for t in (mixed_qkv, a, b))
+        out = torch.empty((x.shape[0], *core_attn_out.shape[1:]), dtype=core_attn_out.dtype)
+        if pages is None:
+            multislot_verify(parts, rows, x, aa, bb, out, state_pool, conv_pool)
+        else:
+            rows.slots = rows.slots[:, 0]
+            replayssm_verify(parts, rows, pages, x, aa, bb, out, state_pool, conv_pool)
+        core_attn_out.index_copy_(0, token_idx, out)
+    n_rows = md.num_decodes + md.num_prefills
+    if n_rows == 0:
+        return
+    resumes = torch.ones(n_rows, dtype=torch.bool)
+    if md.num_prefills:
+        resumes[md.num_decodes:] = md.has_initial_state[md.num_decodes:n_rows]
+    rows = SlotRows(md.non_spec_query_start_loc[:n_rows + 1].to(torch.int32),
+                    md.non_spec_state_indices_tensor[:n_rows].long(), resumes)
+    row_computed = None
+    if computed is not None:
+        row_computed = (computed[~masks] if masks is not None else computed)[:n_rows]
+    if masks is not None:
+        token_idx = md.non_spec_token_indx.long()
+        x, aa, bb = (t.index_select(0, token_idx) for t in (mixed_qkv, a, b))
+        out = torch.empty((x.shape[0], *core_attn_out.shape[1:]), dtype=core_attn_out.dtype)
+        prefill_rows(parts, rows, x, aa, bb, out, state_pool, conv_pool, pages, row_computed)
+        core_attn_out.index_copy_(0, token_idx, out)
+    else:
+        prefill_rows(parts, rows, mixed_qkv, a, b, core_attn_out, state_pool, conv_pool, pages,
+                     row_computed)

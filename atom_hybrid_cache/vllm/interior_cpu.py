@@ -85,7 +85,7 @@ def store_targets_from_torch_core(layer, num_decodes: int, interior, mixed_qkv: 
 def _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name) -> None:
     """vLLM's CPU core for the dtypes its kernels take, the torch one for
     the others."""
-    if mixed_qkv.dtype in VLLM_KERNEL_DTYPES:
+    if mixed_qkv.dtype in VLLM_KERNEL_DTYPES and getattr(layer, "replay_geometry", None) is None:
         vllm_cpu_gdn.cpu_gdn_attention_core(mixed_qkv, b, a, core_attn_out, layer_name)
     elif mdi is not None and mdi.num_actual_tokens:
         gdn_core_torch(layer, mdi, mixed_qkv, b, a, core_attn_out)

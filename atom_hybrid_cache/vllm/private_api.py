@@ -26,6 +26,8 @@ STEADY_SHORTCUTS = "steady-step shortcuts of the state managers"
 FAST_PREFIX_LOOKUP = "one-lookup state search in the prefix index"
 CPU_GDN_FORWARD = ("the plugin's CPU GDN forward (interior checkpoints, float32 models; "
                    "vLLM's forward runs instead)")
+REPLAYSSM_ALIGN = ("ReplaySSM with prefix caching (align mode page moves; without it "
+                   "vLLM's fused speculative copies run)")
 # (LMCache's, not vLLM's: the store connector's close reads two of them)
 STORE_REMOTE_DRAIN = ("waiting for the LMCache remote tier's queued puts at close "
                       "(the last spills may be lost)")
@@ -46,6 +48,7 @@ _SCHEDULER = "vllm.v1.core.sched.scheduler:Scheduler"
 _MAMBA_MANAGER = "vllm.v1.core.single_type_kv_cache_manager:MambaManager"
 _CPU_GDN = "vllm.model_executor.layers.mamba.ops.cpu.gdn_attention"
 _TORCH_UTILS = "vllm.utils.torch_utils"
+_RUNNER = "vllm.v1.worker.gpu_model_runner:GPUModelRunner"
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_SCHEDULER, "_mamba_block_aligned_split", CHECKPOINT_PLACEMENT),
@@ -65,6 +68,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_CPU_GDN, "_unpacked_conv_weight", CPU_GDN_FORWARD),
     # a private module: its fused gating op for the bf16 interior recompute
     PrivateName("vllm", "_custom_ops", CPU_GDN_FORWARD),
+    PrivateName(_RUNNER, "_get_mamba_state_copy_funcs", REPLAYSSM_ALIGN),
+    PrivateName(_RUNNER, "_get_mamba_bufs", REPLAYSSM_ALIGN),
+    PrivateName(_RUNNER, "_update_states_after_model_execute", REPLAYSSM_ALIGN),
+    PrivateName(_RUNNER, "_mamba_state_copy_funcs", REPLAYSSM_ALIGN, on_instances=True),
+    PrivateName(_RUNNER, "_mamba_bufs", REPLAYSSM_ALIGN, on_instances=True),
+    PrivateName(_RUNNER, "_make_buffer", REPLAYSSM_ALIGN),
     PrivateName("lmcache.v1.storage_backend.job_executor.pq_executor:AsyncPQExecutor",
                 "_queue", STORE_REMOTE_DRAIN, on_instances=True),
     PrivateName("lmcache.v1.storage_backend.connector.instrumented_connector:"

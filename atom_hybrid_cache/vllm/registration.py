@@ -37,7 +37,12 @@ PATCHES: tuple = (
     ("vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes (and vllm.v1.engine.core's "
      "binding): prefix hashes on the largest divisor of the block up to 64 tokens "
      "on models with our state groups where --prefix-match-unit is unset", "0.32.0"),
+    ("vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_mamba_state_copy_funcs, "
+     "_get_mamba_bufs, _update_states_after_model_execute: whole-page copies and no fused "
+     "speculative copy kernels where the runner's state groups are ReplaySSM pages "
+     "(ATOM_ENABLE_REPLAYSSM=1 with prefix caching)", "0.32.0"),
 )
+
 
 
 def enabled(environ=None) -> bool:
@@ -60,7 +65,7 @@ def register_cache_manager() -> None:
     from vllm.v1.kv_cache_interface import MambaSpec
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
-    from .spec import AtomGDNInteriorSpec, AtomGDNSpec
+    from .spec import AtomGDNInteriorSpec, AtomGDNSpec, AtomReplaySSMSpec
     from .state_manager import AtomInteriorStateManager, AtomStateManager
 
     # vLLM registers its built-ins only into an empty registry: let it go
@@ -68,6 +73,8 @@ def register_cache_manager() -> None:
     KVCacheSpecRegistry.check_kv_cache_spec_registry({})
     KVCacheSpecRegistry.register(AtomGDNSpec, AtomStateManager, uniform_type_base_spec=MambaSpec)
     KVCacheSpecRegistry.register(AtomGDNInteriorSpec, AtomInteriorStateManager,
+                                 uniform_type_base_spec=MambaSpec)
+    KVCacheSpecRegistry.register(AtomReplaySSMSpec, AtomStateManager,
                                  uniform_type_base_spec=MambaSpec)
 
 
@@ -227,6 +234,22 @@ def check_vllm_version(vllm_version: Optional[str] = None) -> bool:
     return False
 
 
+@functools.cache
+def register_replayssm() -> None:
+    """The model classes that size ReplaySSM pages, and the runner's align
+    mode path for them. Both are vLLM's own behaviour in an engine that
+    does not run ReplaySSM (switch off, or no speculative decoding), so
+    they are registered with the plugin, whatever the switch: engines of
+    one process may differ. Idempotent."""
+    from vllm.model_executor.models.registry import ModelRegistry
+    from . import replayssm_model
+    from .replayssm_runner import patch_model_runner
+    for arch in replayssm_model.PARENT_MODULES:
+        ModelRegistry.register_model(
+            arch, f"{replayssm_model.__name__}:{replayssm_model.PREFIX}{arch}")
+    patch_model_runner()
+
+
 def register_all() -> None:
     check_vllm_version()
     private_api.check()
@@ -235,3 +258,4 @@ def register_all() -> None:
     register_connectors()
     default_scheduler_class()
     default_hash_unit()
+    register_replayssm()

@@ -39,6 +39,11 @@ class AtomSchedulerMixin:
                                                num_external_computed_tokens)
         start = (request.num_computed_tokens + num_new_local_computed_tokens
                  + num_external_computed_tokens)
+        page = self.atom.verify_window_page_tokens
+        if page and n > 0 and start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+            # a ReplaySSM verify window (sampled token + drafts) stops at the
+            # end of the page it starts in; drafts past it wait a step
+            n = min(n, (start // page + 1) * page - start)
         # decode steps (most calls) have nothing planned
         if self.atom.planner is None or n <= 0 or start >= request.num_prompt_tokens:
             return n

@@ -50,6 +50,9 @@ class SchedulerParts:
     # the store connector (AtomLMCacheConnector), which the release tells
     # what it frees, or None
     store: object = None
+    # ReplaySSM pages in align mode: a verify window ends at the next
+    # multiple of this many tokens (0: windows as vLLM schedules them)
+    verify_window_page_tokens: int = 0
 
 
 def build_parts(sched) -> SchedulerParts:
@@ -75,6 +78,9 @@ def build_parts(sched) -> SchedulerParts:
     first = managers[state_groups[0]]
     if not sched.cache_config.enable_prefix_caching or first.mamba_cache_mode != "align":
         return SchedulerParts(gate=_admission_gate(sched, settings.server.admission_gate))
+    # a ReplaySSM page is the state of the block it ends only if no verify
+    # window crosses that end (vllm/replayssm_runner.py)
+    window_page = first.block_size if getattr(first.kv_cache_spec, "replayssm", False) else 0
 
     pool = sched.kv_cache_manager.block_pool
     block_size = first.block_size
@@ -102,7 +108,8 @@ def build_parts(sched) -> SchedulerParts:
         hits_first=settings.server.admission_order == "hits-first",
         gate=_admission_gate(sched, settings.server.admission_gate, policy, planner.stats),
         units_on_release=policy.reuse_aware and private_api.feature_on(
-            private_api.EVICTION_ORDER))
+            private_api.EVICTION_ORDER),
+        verify_window_page_tokens=window_page)
     planner.gate_on = parts.gate is not None
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)

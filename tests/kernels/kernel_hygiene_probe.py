@@ -36,6 +36,8 @@ from triton.runtime.jit import JITFunction, create_function_from_signature
 import atom_hybrid_cache.kernels as kernels_pkg
 from atom_hybrid_cache.kernels._triton import DEVICE_FUNCTIONS
 from atom_hybrid_cache.kernels.merge_attn_states import merge_attn_states_launch
+from atom_hybrid_cache.kernels.replay_rebuild import rebuild_launch
+from atom_hybrid_cache.kernels.replay_records import RecordLayout
 from atom_hybrid_cache.kernels.state_checkpoint import CheckpointWrites, checkpoint_launch
 
 TARGETS = {"sm90": GPUTarget("cuda", 90, 32), "gfx942": GPUTarget("hip", "gfx942", 64)}
@@ -85,6 +87,17 @@ def merge_launches(H=8, D=128):
         yield merge_attn_states_launch(out, out, lse, out, lse, n_tokens, output_lse=lse)
 
 
+def rebuild_launches(kda: bool, H=2, HV=4, K=32, V=32, L=8):
+    """ReplaySSM rebuilds: 1, 16 and other numbers of targets, counts 0..L."""
+    layout = RecordLayout(H, K, HV, V, L, per_dim_gate=kda)
+    records = torch.empty(40, layout.numel)
+    states = torch.empty(40, HV, V, K).transpose(-1, -2)     # vLLM's V-first pool
+    for n in (1, 5, 16, 3, 32):
+        slots = torch.arange(n) % 40
+        counts = torch.arange(n) % (L + 1)
+        yield rebuild_launch(records, states, slots, counts, layout)
+
+
 # every launched kernel: name -> {mode: launches}
 CASES = {
     "store_checkpoints_kernel": {
@@ -98,9 +111,12 @@ CASES = {
         "conv": lambda: checkpoint_launches(False, False, True),
     },
     "merge_attn_states_kernel": {"merge": merge_launches},
+    "replay_rebuild_kernel": {"gdn": lambda: rebuild_launches(False),
+                              "kda": lambda: rebuild_launches(True)},
 }
 # the per-batch count of each kernel, for the counter-examples
-BATCH_COUNTS = {"store_checkpoints_kernel": "num_writes", "merge_attn_states_kernel": "num_tokens"}
+BATCH_COUNTS = {"store_checkpoints_kernel": "num_writes", "merge_attn_states_kernel": "num_tokens",
+                "replay_rebuild_kernel": "num_targets"}
 
 
 # -- discovery, keys, compilation --------------------------------------------

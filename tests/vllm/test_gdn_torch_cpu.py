@@ -148,11 +148,20 @@ def test_a_prefill_without_initial_state_ignores_its_slot():
     assert not torch.allclose(resumed, first, atol=1e-3)
 
 
-def test_speculative_decoding_is_refused():
-    md = SimpleNamespace(spec_sequence_masks=torch.ones(1, dtype=torch.bool),
-                         num_accepted_tokens=None)
-    with pytest.raises(NotImplementedError, match="speculative"):
-        gdn_core_torch(_layer(), md, None, None, None, None)
+def test_a_replayssm_step_needs_each_rows_computed_tokens():
+    """A speculative layer takes the speculative step (1 + k slots or
+    ReplaySSM pages, tests/e2e/test_replayssm.py); ReplaySSM reads its
+    records up to each row's computed tokens, which our metadata builder
+    adds: metadata without them is refused, not read as zero."""
+    from atom_hybrid_cache.kernels.replay_records import RecordLayout
+    from atom_hybrid_cache.vllm.replayssm import ReplayGeometry
+    layer = _layer()
+    layer.num_spec = 2
+    layer.replay_geometry = ReplayGeometry(RecordLayout(1, 4, 2, 4, 6), 2)
+    layer.kv_cache = (*layer.kv_cache, torch.zeros(SLOTS, 8))
+    md = SimpleNamespace(computed_tokens=None)
+    with pytest.raises(RuntimeError, match="computed tokens"):
+        gdn_core_torch(layer, md, None, None, None, None)
 
 
 def test_gating_matches_vllm_cpu_kernel():
