@@ -113,6 +113,11 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--num-spec", metavar="N", type=non_negative_int, default=0,
         help="speculative tokens per decode step (default: %(default)s)",
     )
+    load.add_argument(
+        "--replayssm", action="store_true",
+        help="with --num-spec: one state slot per request holding ReplaySSM's records "
+             "(ATOM_ENABLE_REPLAYSSM=1), instead of 1 + num-spec slots",
+    )
 
     geo = parser.add_argument_group("geometry")
     geo.add_argument(

@@ -22,3 +22,6 @@ python3 -m pytest -q -rs tests/kernels 2>&1 | tee "$out/tests.txt" || true
 python3 benchmarks/kernel_bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"
 python3 benchmarks/kernel_bench.py --rows 1 --row-tokens 32768 --targets-per-row 16 \
     --json "$out/bench_long.json" 2>&1 | tee "$out/bench_long.txt"
+# ReplaySSM rebuild: 256 requests, 16 records (k = 7), GDN and KDA geometry
+python3 benchmarks/replay_rebuild_bench.py --json "$out/replay_rebuild.json" 2>&1 \
+    | tee "$out/replay_rebuild.txt"

@@ -169,3 +169,21 @@ def test_shared_pool_split_matches_vllm_rule():
     assert shared_pool_split(GEOMETRY_PRESETS["qwen3-next-80b"], 10 * GIB, page_tokens_multiple=64)[0] == 576
     with pytest.raises(ValueError, match="memory budget"):
         shared_pool_split(GEOMETRY_PRESETS["qwen3-next-80b"], -1)
+
+
+def test_speculative_state_slots_with_and_without_replayssm():
+    """qwen3-next-80b at k = 7, per GDN layer (36 of them): the conv window widened by 7
+    columns (8,192 channels x 10 x 2 B), the 32 x 128 x 128 fp32 state, and
+    ReplaySSM's 16 records of 16 x 128 + 32 x 128 + 32 float32 words."""
+    from atom_hybrid_cache.replay.geometry import speculative_geometry, speculative_state_bytes
+    g = GEOMETRY_PRESETS["qwen3-next-80b"]
+    b = speculative_state_bytes(g, 7)
+    assert (b.conv_bytes, b.state_bytes, b.record_bytes, b.cache_len) == (
+        163_840, 1_048_576, 24_704, 16)
+    assert b.slots_real == 8 * (163_840 + 1_048_576)
+    assert b.replayssm_real == 163_840 + 1_048_576 + 8 + 16 * 24_704
+    assert round(b.slots_real / b.replayssm_real, 2) == 6.03
+    assert speculative_geometry(g, 7, replayssm=True).state_slot_bytes == 36 * b.replayssm_real
+    assert speculative_geometry(g, 7, replayssm=False).state_slot_bytes == 36 * (163_840
+                                                                                + 1_048_576)
+    assert speculative_geometry(g, 0, replayssm=True) is g

@@ -311,3 +311,37 @@ def geometry_from_args(name: Optional[str] = None, **overrides: Any) -> ModelGeo
         )
     given.setdefault("name", "custom")
     return ModelGeometry(**given)
+
+
+def speculative_state_bytes(geometry: ModelGeometry, num_spec: int,
+                            cache_len: Optional[int] = None):
+    """One linear layer's state under speculative decoding, as vLLM lays it
+    out (`core.replay_cursor.StateBytes`): the conv window widened by k
+    columns, the recurrent state, and ReplaySSM's records (float32, k keys,
+    u values and the gate per record; `cache_len` None: 2 * (k + 1))."""
+    from ..core.replay_cursor import StateBytes, resolve_cache_len
+    per_dim = geometry.state_kind == "kda"
+    record_words = (geometry.linear_num_key_heads * geometry.linear_key_head_dim
+                    + geometry.linear_num_value_heads * geometry.linear_value_head_dim
+                    + geometry.linear_num_value_heads * (geometry.linear_key_head_dim
+                                                         if per_dim else 1))
+    length, _ = resolve_cache_len(cache_len, num_spec)
+    return StateBytes(
+        conv_bytes=geometry.conv_channels * (geometry.conv_kernel_size - 1 + num_spec)
+        * geometry.conv_dtype_bytes,
+        state_bytes=geometry.recurrent_state_bytes_per_layer, record_bytes=4 * record_words,
+        num_spec=num_spec, cache_len=length)
+
+
+def speculative_geometry(geometry: ModelGeometry, num_spec: int, replayssm: bool,
+                         cache_len: Optional[int] = None) -> ModelGeometry:
+    """`geometry` with one state slot costing what a speculative request's
+    state page costs over all linear layers: with 1 + k slots each slot is
+    the state and the widened conv window (the planner counts 1 + k slots
+    per request); with ReplaySSM the one slot also holds the records."""
+    if num_spec == 0:
+        return geometry
+    b = speculative_state_bytes(geometry, num_spec, cache_len)
+    per_layer = b.replayssm_real if replayssm else b.conv_bytes + b.state_bytes
+    return dataclasses.replace(geometry, state_slot_bytes_override=per_layer
+                               * geometry.num_linear_layers)

@@ -165,8 +165,15 @@ def placement_from_args(args) -> PlacementConfig:
 
 def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[str],
             headroom: Optional[int], placement: PlacementConfig, num_spec: int = 0,
-            jobs: int = 2, show_progress: bool = False) -> list[PolicyResult]:
+            jobs: int = 2, show_progress: bool = False, replayssm: bool = False,
+            replayssm_cache_len: Optional[int] = None) -> list[PolicyResult]:
+    """`replayssm`: one state slot per request, holding the records, instead
+    of 1 + `num_spec` (vLLM with ATOM_ENABLE_REPLAYSSM=1)."""
+    from .geometry import speculative_geometry
     from .memory_split import shared_pool_layout
+    geometry = speculative_geometry(geometry, num_spec, replayssm, replayssm_cache_len)
+    if replayssm:
+        num_spec = 0        # the working slots per request: one
     s = workload.settings
     budget = int(memory_gib * GIB)
     layout = shared_pool_layout(geometry, budget, page_tokens_multiple=s.block_size)
@@ -191,11 +198,15 @@ def run_replay(args) -> int:
         headroom = load_settings().state_checkpoint_slots
     results = compare(workload, geometry, memory_gib=args.memory_gib, policies=names,
                       headroom=headroom, placement=placement,
-                      num_spec=args.num_spec, jobs=args.jobs, show_progress=not args.no_progress)
-    title = (f"replay: {len(workload.conversations)} conversations, model {geometry.name}, "
+                      num_spec=args.num_spec, jobs=args.jobs, show_progress=not args.no_progress,
+                      replayssm=args.replayssm)
+    spec = (f", k={args.num_spec} ({'ReplaySSM' if args.replayssm else '1 + k slots'})"
+            if args.num_spec else "")
+    title = (f"replay: {len(workload.conversations)} conversations, model {geometry.name}{spec}, "
              f"{args.memory_gib:g} GiB, concurrency {args.concurrency}, block {args.block_size}")
     print(format_table(results, title))
-    meta = dict(model=geometry.name, memory_gib=args.memory_gib, concurrency=args.concurrency,
+    meta = dict(model=geometry.name, num_spec=args.num_spec, replayssm=args.replayssm,
+                memory_gib=args.memory_gib, concurrency=args.concurrency,
                 block_size=args.block_size, prefill_chunk=args.prefill_chunk,
                 traces=list(args.traces) or "embedded sample",
                 state_slot_tokens_equiv=geometry.state_slot_bytes / geometry.kv_bytes_per_token)
@@ -204,7 +215,8 @@ def run_replay(args) -> int:
         for slots in args.sweep_slots:
             rs = compare(workload, geometry, memory_gib=args.memory_gib,
                          policies=["default", "simple", "kv-only-ceiling"], headroom=slots,
-                         placement=placement, num_spec=args.num_spec, jobs=args.jobs)
+                         placement=placement, num_spec=args.num_spec, jobs=args.jobs,
+                         replayssm=args.replayssm)
             for r in rs:
                 if r.policy != "kv-only-ceiling":
                     points.setdefault(r.policy, []).append((slots, r.hit_over_ceiling))

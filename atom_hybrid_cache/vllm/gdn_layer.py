@@ -18,7 +18,7 @@ from ..config import load_settings, server_defaults
 from ..kernels.capability import interior_states_readable
 from . import private_api
 from .gdn_backend import AtomGDNBackend
-from .replayssm import engine_geometry
+from .replayssm import engine_geometry, log_start
 from .spec import AtomGDNSpec
 
 
@@ -67,9 +67,12 @@ class AtomGDN(QwenGatedDeltaNetAttention):
         spec = super().get_kv_cache_spec(vllm_config)
         if spec is None:
             return None
-        return AtomGDNSpec.from_mamba_spec(
+        spec = AtomGDNSpec.from_mamba_spec(
             spec, interior_checkpoints=interior_checkpoints_available(vllm_config),
             replayssm=self.replay_geometry is not None)
+        if self.replay_geometry is not None:
+            log_start(self.replay_geometry, spec)
+        return spec
 
     def get_attn_backend(self):
         return AtomGDNBackend

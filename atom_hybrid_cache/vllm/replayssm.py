@@ -74,21 +74,24 @@ def _warn_once(message: str) -> None:
     logger.warning("atom_hybrid_cache: %s", message)
 
 
-def state_bytes(geometry: ReplayGeometry, conv_shape, state_shape, state_dtype_size: int,
-                conv_dtype_size: int, page_bytes: int = 0) -> StateBytes:
+def log_start(geometry: ReplayGeometry, spec) -> None:
+    """The [ReplaySSM] start-up line, from a layer's spec (once per engine
+    geometry): state bytes per request and layer against 1 + k pages."""
     from math import prod
-    return StateBytes(conv_bytes=prod(conv_shape) * conv_dtype_size,
-                      state_bytes=prod(state_shape) * state_dtype_size,
-                      record_bytes=4 * geometry.layout.record_size,
-                      num_spec=geometry.num_spec, cache_len=geometry.layout.length,
-                      page_bytes=page_bytes)
+    from vllm.utils.torch_utils import get_dtype_size
+    conv, state = (prod(shape) * get_dtype_size(dtype)
+                   for shape, dtype in zip(spec.shapes[:2], spec.dtypes[:2]))
+    b = StateBytes(conv_bytes=conv, state_bytes=state,
+                   record_bytes=4 * geometry.layout.record_size, num_spec=geometry.num_spec,
+                   cache_len=geometry.layout.length, page_bytes=spec.page_size_bytes)
+    _log_once(geometry.num_spec, geometry.layout.length, b.slots_real, b.replayssm_real,
+              b.slots_padded, b.replayssm_padded)
 
 
 @functools.lru_cache(maxsize=None)
-def log_start(num_spec: int, cache_len: int, slots_bytes: int, replay_bytes: int,
-              layers: int) -> None:
-    """The [ReplaySSM] start-up line (once per engine geometry)."""
-    logger.info("[ReplaySSM] on: k=%d speculative tokens, %d records a page; state per request "
-                "and layer %s B (1 + k slots: %s B, %.2fx), %d GDN layers",
-                num_spec, cache_len, f"{replay_bytes:,}", f"{slots_bytes:,}",
-                slots_bytes / max(replay_bytes, 1), layers)
+def _log_once(k: int, cache_len: int, slots_real: int, replay_real: int, slots_padded: int,
+              replay_padded: int) -> None:
+    logger.info("[ReplaySSM] on: k=%d, %d records a page; state per request and GDN layer "
+                "%s B (1 + k pages: %s B, %.2fx), padded to vLLM's page %s B (%s B, %.2fx)",
+                k, cache_len, f"{replay_real:,}", f"{slots_real:,}", slots_real / replay_real,
+                f"{replay_padded:,}", f"{slots_padded:,}", slots_padded / replay_padded)

@@ -122,7 +122,7 @@ def reference(vllm_cpu_env, tiny_model_path):
 
 
 @pytest.mark.parametrize("k", [2, 3])
-def test_replayssm_equals_slots_and_no_speculation(make_llm, plugin_env, reference, k):
+def test_replayssm_equals_slots_and_no_speculation(make_llm, plugin_env, reference, k, caplog):
     set_refs, switch = plugin_env
     set_refs(PROMPTS, reference)
     switch(False)
@@ -135,8 +135,10 @@ def test_replayssm_equals_slots_and_no_speculation(make_llm, plugin_env, referen
 
     switch(True)
     for caching in (False, True):
-        llm = make_llm(dtype="float32", enable_prefix_caching=caching, disable_log_stats=False,
-                       speculative_config=_oracle(k))
+        with caplog.at_level("INFO", logger="atom_hybrid_cache"):
+            llm = make_llm(dtype="float32", enable_prefix_caching=caching,
+                           disable_log_stats=False, speculative_config=_oracle(k))
+        assert f"[ReplaySSM] on: k={k}, {2 * (k + 1)} records a page" in caplog.text
         specs = _state_specs(llm)
         assert [(type(s).__name__, s.num_speculative_blocks, len(s.shapes)) for s in specs] \
             == [("AtomReplaySSMSpec", 0, 3)] * 3
