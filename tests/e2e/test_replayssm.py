@@ -102,23 +102,19 @@ def plugin_env(monkeypatch, tmp_path):
     return set_refs, switch
 
 
-@pytest.fixture(scope="module")
-def reference(vllm_cpu_env, tiny_model_path):
-    """Outputs of the plain engine (no speculation, caching off)."""
-    import os
-    from conftest import _new_llm, _shutdown
-    saved = os.environ.get("VLLM_PLUGINS")
-    os.environ["VLLM_PLUGINS"] = "atom_hybrid_cache"   # the float32 torch core
-    try:
-        llm = _new_llm(tiny_model_path, dtype="float32", enable_prefix_caching=False)
-        outputs, _ = _run(llm, PROMPTS)
-        _shutdown(llm)
-    finally:
-        if saved is None:
-            os.environ.pop("VLLM_PLUGINS", None)
-        else:
-            os.environ["VLLM_PLUGINS"] = saved
-    return outputs
+_REFERENCE: list = []
+
+
+@pytest.fixture
+def reference(make_llm, monkeypatch):
+    """Outputs of the plain engine (no speculation, caching off; the
+    plugin's float32 torch core), computed once for the module."""
+    if not _REFERENCE:
+        monkeypatch.setenv("VLLM_PLUGINS", "atom_hybrid_cache")
+        llm = make_llm(dtype="float32", enable_prefix_caching=False)
+        _REFERENCE.append(_run(llm, PROMPTS)[0])
+        llm.llm_engine.engine_core.shutdown()
+    return _REFERENCE[0]
 
 
 @pytest.mark.parametrize("k", [2, 3])
@@ -183,7 +179,7 @@ def _conversations(seed: int, n: int):
     return firsts, extras
 
 
-def test_resumes_under_kv_pressure_match(make_llm, plugin_env):
+def test_resumes_under_kv_pressure_match(make_llm, plugin_env, monkeypatch):
     """Four conversations, three turns each, in lockstep rounds (a turn's
     prompt: the previous prompt, its output, 40 new tokens), on a pool of
     48 pages: about 0.8x of what the four live conversations' prefixes and
@@ -215,17 +211,21 @@ def test_resumes_under_kv_pressure_match(make_llm, plugin_env):
     set_refs([p for p, _ in sent], [o for _, o in sent])
 
     switch(True)
-    hits_without_speculation = None
-    for spec in (None, _oracle(3)):
+    from atom_hybrid_cache.vllm.state_manager import AtomStateManager
+    hits = {}
+    # the state managers' steady-step shortcuts were written without
+    # speculation: the same run with vLLM's methods at every step must match
+    for name, spec, shortcuts in (("no speculation", None, True),
+                                  ("replayssm", _oracle(3), True),
+                                  ("replayssm, vLLM's manager steps", _oracle(3), False)):
+        monkeypatch.setattr(AtomStateManager, "steady_shortcuts", shortcuts)
         llm = make_llm(dtype="float32", enable_prefix_caching=True, disable_log_stats=False,
                        num_gpu_blocks_override=48, speculative_config=spec)
-        outputs, cached = rounds(llm)
-        assert outputs == ref_outputs, spec
-        if spec is None:
-            hits_without_speculation = cached
-            llm.llm_engine.engine_core.shutdown()
-    counts = _spec_counts(llm)
-    assert counts["num_draft_tokens"] > counts["num_accepted_tokens"] > 0, counts
+        outputs, hits[name] = rounds(llm)
+        assert outputs == ref_outputs, name
+        if spec is not None:
+            counts = _spec_counts(llm)
+            assert counts["num_draft_tokens"] > counts["num_accepted_tokens"] > 0, counts
+        llm.llm_engine.engine_core.shutdown()
     # later turns resume where the plugin keeps states, as without speculation
-    assert cached == hits_without_speculation == [[0, 0, 0, 0], [256, 256, 256, 256],
-                                                  [384, 448, 384, 384]]
+    assert list(hits.values()) == [[[0, 0, 0, 0], [256, 256, 256, 256], [384, 448, 384, 384]]] * 3
