@@ -87,11 +87,7 @@ def check_engine(vllm_config) -> None:
             f"--pipeline-parallel-size {parallel.pipeline_parallel_size}); run it with 1 and 1")
     if not vllm_config.cache_config.enable_prefix_caching:
         raise ConnectorRefused(f"{CONNECTOR_NAME} needs --enable-prefix-caching")
-    from ..vllm.replayssm import engine_geometry
-    if engine_geometry(vllm_config) is not None:
-        raise ConnectorRefused(
-            f"{CONNECTOR_NAME} does not spill ReplaySSM pages yet (ATOM_ENABLE_REPLAYSSM=1 with "
-            "--speculative-config): unset ATOM_ENABLE_REPLAYSSM to use the store connector")
+
     scheduler_cls = vllm_config.scheduler_config.get_scheduler_cls()
     if not getattr(scheduler_cls, "atom_scheduler", False):
         raise ConnectorRefused(

@@ -432,3 +432,41 @@ def test_conversations_served_on_one_instance_resume_on_another(bench, off, monk
     assert b["run"].cached == prompt_ends == [768, 896, 896, 1344]
     assert b["counters"]["loads_completed"] == b["counters"]["loads_attempted"] == 4
     assert b["left"] == baseline(nb)
+
+
+def test_replayssm_pages_spill_and_load_with_their_records(bench, off, monkeypatch, tmp_path):
+    """The CPU + disk run with ReplaySSM (k = 3, n-gram drafts): a state page
+    is the committed state, its conv inputs and its records after a header
+    of absolute positions, copied whole to the store and back, so a loaded
+    page resumes at its boundary like any other (`max_tokens=1`: the pages
+    are the prefills'; no verify window runs). Same figures as without."""
+    E, convs, w, nb, model = bench
+    reference, page = off
+    from atom_hybrid_cache.vllm.llvmlite_guard import make_llvmlite_scan_safe
+    make_llvmlite_scan_safe()
+    monkeypatch.setenv("ATOM_ENABLE_REPLAYSSM", "1")
+    original = E.policy_kwargs
+
+    def with_speculation(name, *args, **kwargs):
+        kw = original(name, *args, **kwargs)
+        if name == "plugin-store":
+            kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        return kw
+    monkeypatch.setattr(E, "policy_kwargs", with_speculation)
+    specs = []
+
+    def state_specs(llm):
+        managers = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager \
+            .coordinator.single_type_managers
+        specs.extend((type(m.kv_cache_spec).__name__, len(m.kv_cache_spec.shapes))
+                     for m in managers if hasattr(m.kv_cache_spec, "shapes"))
+    got = run_store(bench, monkeypatch, store_env(nb, page, 0.25, tmp_path, 4.0),
+                    before=state_specs)
+    run, c = got["run"], got["counters"]
+    assert specs == [("AtomReplaySSMSpec", 3)] * 3
+    assert same_as_off(run, reference)
+    assert sum(run.cached) == 18_816
+    assert c["loads_attempted"] == c["loads_completed"] == 20
+    assert c["loads_failed"] == {}
+    assert got["left"] == baseline(nb)

@@ -111,14 +111,3 @@ def test_whole_page_copy_ignores_the_accepted_count():
     state = torch.zeros(6, 3, 5)
     spec = whole_page_copy(state, [4, 2, 5], 1, num_accepted_tokens=3)
     assert (spec.start_addr, spec.num_elements) == (state[2].data_ptr(), 15)
-
-
-def test_store_connector_refuses_replayssm(monkeypatch):
-    from atom_hybrid_cache.connector.lmcache_connector import ConnectorRefused, check_engine
-    monkeypatch.setenv("ATOM_ENABLE_REPLAYSSM", "1")
-    config = _config(k=3)
-    config.kv_transfer_config = SimpleNamespace(kv_load_failure_policy="recompute")
-    config.parallel_config.pipeline_parallel_size = 1
-    config.cache_config.enable_prefix_caching = True
-    with pytest.raises(ConnectorRefused, match="does not spill ReplaySSM pages yet"):
-        check_engine(config)
