@@ -13,7 +13,9 @@ instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
 ``plugin-no-cold`` and ``plugin-no-cold-gated-hits-first`` run without the
 server's cold checkpoints (``ATOM_STATE_CHECKPOINT_COLD=``), beside the policies
 with it; ``plugin-no-floor`` and ``plugin-no-floor-gated-hits-first`` without
-its floor states (``ATOM_STATE_CHECKPOINT_FLOOR=``). The server's admission
+its floor states (``ATOM_STATE_CHECKPOINT_FLOOR=``). ``plugin-block-unit``
+hashes prefixes on the block, as vLLM's default does
+(``prefix_match_unit`` = the block). The server's admission
 gate is ``auto`` by default (2026-12-01, later: on in a pool of at least 100
 checkpoints' worth): ``plugin-gated`` sets ``ATOM_ADMISSION_GATE=on``,
 ``plugin-ungated`` and
@@ -220,7 +222,7 @@ PLUGIN_POLICIES = ["plugin", "plugin-hits-first", "plugin-gated", "plugin-gated-
                    "plugin-ungated", "plugin-ungated-hits-first",
                    "plugin-interior", "plugin-interior-hits-first", "plugin-zeroed-states",
                    "plugin-no-cold", "plugin-no-cold-gated-hits-first",
-                   "plugin-no-floor", "plugin-no-floor-gated-hits-first"]
+                   "plugin-no-floor", "plugin-no-floor-gated-hits-first", "plugin-block-unit"]
 # The plugin with its LMCache store connector (AtomLMCacheConnector), a CPU
 # tier of STORE_MULTIPLE x the GPU pool's bytes (`--store-multiple`).
 STORE_POLICIES = ["plugin-store"]
@@ -499,6 +501,10 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
                 os.environ.pop(var, None)
             else:
                 os.environ[var] = exported
+        if policy == "plugin-block-unit":
+            # prefixes hashed on the block, as vLLM's default does
+            return {"prefix_match_unit": block_size,
+                    "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
         return {**fine_unit, "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     raise ValueError(f"unknown policy {policy!r}")
 
