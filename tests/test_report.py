@@ -74,11 +74,18 @@ def test_table_rows_and_figures():
     # Columns line up: every row ends at the same width (right-aligned last column).
     assert len(row_a) == len(row_b) == len(header)
 
-    footer = "\n".join(lines[-2:])
+    footer = "\n".join(lines[-3:])
     assert "requests=1,200" in footer
     assert "over-context: 3 requests / 600,000 tokens (counted apart, not simulated)" in footer
     assert "lru-interval 97.00% / 2.50%" in footer
     assert "atom 99.00% / 1.00%" in footer
+    # 0.9123 * 14,000,000 / 14,600,000 and 0.94 * 14,000,000 / 14,600,000
+    assert lines[-1] == ("basis: hit = cached / prompt tokens of the 1,200 requests simulated "
+                         "(over-context ones excluded); ceiling = no kv-only-ceiling run; hit "
+                         "over all input: lru-interval 87.48%, atom 90.14%")
+    with_ceiling = format_table([*RESULTS, make("kv-only-ceiling", kv_blocks=1600)])
+    assert ("ceiling = kv-only-ceiling: its KV pool (1,600 blocks x 64 tokens) with a free "
+            "state at every block;") in with_ceiling.splitlines()[-1]
 
 
 def test_table_empty():

@@ -26,7 +26,8 @@ class PolicyResult:
     """What one policy achieved on one replayed workload.
 
     hit_rate          cached prompt tokens / prompt tokens of admitted requests
-    ceiling_hit_rate  the same for an unbounded cache (the best any policy can do)
+    ceiling_hit_rate  the same for the kv-only-ceiling policy: the same KV pool with a
+                      free state at every block (attention-only with these bytes)
     hit_over_ceiling  hit_rate / ceiling_hit_rate
     paged_hit         KV-prefix-present tokens / reusable tokens
     state_hit         cached tokens / KV-prefix-present tokens
@@ -144,6 +145,19 @@ def _workload_footer(results: Sequence[PolicyResult]) -> list[str]:
             f"{_pct(r.resume_at_ladder_rung_share)}"
             for r in results
         )
+    )
+    # what every ratio above is taken over, and the hit rate over all input
+    # (the over-context requests counted as misses)
+    total = first.prompt_tokens + first.over_context_tokens
+    ceiling = next((r for r in results if r.policy == "kv-only-ceiling"), None)
+    pool = (f"kv-only-ceiling: its KV pool ({_count(ceiling.kv_blocks)} blocks x "
+            f"{ceiling.block_size} tokens) with a free state at every block"
+            if ceiling is not None else "no kv-only-ceiling run")
+    lines.append(
+        f"basis: hit = cached / prompt tokens of the {_count(first.requests)} requests "
+        f"simulated (over-context ones excluded); ceiling = {pool}; hit over all input: "
+        + ", ".join(f"{r.policy} {_pct(r.hit_rate * r.prompt_tokens / total if total else 0.0)}"
+                    for r in results)
     )
     return lines
 
