@@ -59,6 +59,15 @@ def engine_geometry(vllm_config) -> Optional[ReplayGeometry]:
         _warn_once(f"{ENV_SWITCH}=1 has no effect without speculative decoding "
                    "(--speculative-config): states keep vLLM's layout")
         return None
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    if getattr(scheduler, "async_scheduling", False):
+        # the records are read up to a row's computed tokens as its metadata
+        # has them; with async scheduling vLLM schedules before the last
+        # step's accepted counts are known and corrects them later (not
+        # tested here: vLLM 0.32's CPU build refuses async scheduling with
+        # n-gram and custom drafters)
+        raise ValueError(f"{ENV_SWITCH}=1 runs with synchronous scheduling only: unset "
+                         "--async-scheduling (or unset the switch)")
     cache_len, warning = resolve_cache_len(settings.server.replayssm_cache_len, k)
     if warning:
         _warn_once(warning)

@@ -65,6 +65,17 @@ def test_geometry_only_with_the_switch_and_speculation(monkeypatch, caplog):
     assert "ATOM_REPLAYSSM_CACHE_LEN=6 is below 2 * (k + 1) = 8" in caplog.text
 
 
+def test_async_scheduling_is_refused_naming_both(monkeypatch):
+    monkeypatch.setenv("ATOM_ENABLE_REPLAYSSM", "1")
+    config = _config(k=3)
+    config.scheduler_config = SimpleNamespace(async_scheduling=True)
+    with pytest.raises(ValueError, match="ATOM_ENABLE_REPLAYSSM=1 runs with synchronous "
+                                         "scheduling only: unset --async-scheduling"):
+        engine_geometry(config)
+    config.scheduler_config.async_scheduling = False
+    assert engine_geometry(config).num_spec == 3
+
+
 def test_model_class_adds_the_records_only_where_replayssm_runs(monkeypatch):
     from atom_hybrid_cache.vllm.replayssm_model import model_class
     cls = model_class("Qwen3NextForCausalLM")
