@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
+
+from kernel_bench import _time_interleaved_ms   # the same interleaved timing
 
 
 def bench(kda: bool, requests: int, cache_len: int, rounds: int = 30) -> dict:
@@ -42,24 +43,12 @@ def bench(kda: bool, requests: int, cache_len: int, rounds: int = 30) -> dict:
            "torch": lambda: rebuild_states(records, pool, slots[:8], counts[:8], layout,
                                            backend="torch"),
            "step_8": step_by_step}
-    for fn in fns.values():
-        fn()
-    torch.cuda.synchronize()
-    times = {n: [] for n in fns}
-    for _ in range(rounds):
-        for n, fn in fns.items():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times[n].append(a.elapsed_time(b))
+    times = _time_interleaved_ms(fns, rounds=rounds)
     got = rebuild_states(records, pool, slots, counts, layout, backend="triton")
     want = rebuild_states(records, pool, slots, counts, layout, backend="torch")
     return dict(kind="kda" if kda else "gdn", requests=requests, cache_len=cache_len,
-                triton_ms=statistics.median(times["triton"]),
-                torch_ms_per_8=statistics.median(times["torch"]),
-                step_ms_per_8=statistics.median(times["step_8"]),
+                triton_ms=times["triton"], torch_ms_per_8=times["torch"],
+                step_ms_per_8=times["step_8"],
                 max_abs_diff=(got - want).abs().max().item())
 
 

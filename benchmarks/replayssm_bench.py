@@ -16,8 +16,15 @@
    engines in one interleaved run (same prompts, same oracle drafts; prefix
    caching off, since vLLM's CPU build cannot run its own align-mode
    speculative copies for the 1 + k baseline).
+4. ``pressure``: the tiny model's prefix hits under KV pressure in vLLM,
+   1 + k pages against ReplaySSM at k = 1, 3, 7 and pools of 1.25x to 0.5x
+   the live working set, with the plugin's scheduler and vLLM's pool
+   (`e2e_pressure.py`'s scheduler-only replay: the plan's 14 traces scaled
+   to 8 tokens per id, 4 in flight, `max_tokens=1`). The worker's forward
+   does not run, so the baseline's align-mode copies (Triton) are never
+   needed; what differs is the state pages each running request holds.
 
-Usage: python benchmarks/replayssm_bench.py [--parts geometry,planner,vllm]
+Usage: python benchmarks/replayssm_bench.py [--parts geometry,planner,vllm,pressure]
        [--json benchmarks/results/replayssm.json]
 """
 
@@ -180,9 +187,41 @@ def vllm_part(rounds: int = 5) -> list:
     return rows
 
 
+def pressure_part(multiples=(1.25, 1.0, 0.83, 0.5)) -> list:
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("e2e_pressure", REPO / "benchmarks" /
+                                                  "e2e_pressure.py")
+    E = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("e2e_pressure", E)
+    spec.loader.exec_module(E)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    convs = E.build_workload(E.traces_fitting(64000), 0, tokens_per_id=8)
+    w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
+    oracle = sum(w.oracle)
+    rows = []
+    for multiple in multiples:
+        nb = E.budget_blocks(multiple, w.working_set, w.single_request)
+        for k in KS:
+            row = dict(multiple=multiple, blocks=nb, k=k, oracle=oracle)
+            for mode in ("slots", "replayssm"):
+                os.environ["ATOM_ENABLE_REPLAYSSM"] = "1" if mode == "replayssm" else "0"
+                out = E.run_policy("plugin", convs, w.rounds, nb, w.max_model_len,
+                                   scheduler_only=True, dtype="float32",
+                                   speculative_config={"method": "ngram",
+                                                       "num_speculative_tokens": k,
+                                                       "prompt_lookup_max": 4,
+                                                       "prompt_lookup_min": 2})
+                row[f"{mode}_cached"] = sum(out["cached"])
+                row[f"{mode}_ratio"] = round(row[f"{mode}_cached"] / oracle, 4)
+            rows.append(row)
+            print(row, flush=True)
+    os.environ.pop("ATOM_ENABLE_REPLAYSSM", None)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="geometry,planner,vllm")
+    ap.add_argument("--parts", default="geometry,planner,vllm,pressure")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -198,6 +237,8 @@ def main() -> None:
                                        ("qwen3.5-27b", 4, 24)])
     if "vllm" in parts:
         out["vllm"] = vllm_part()
+    if "pressure" in parts:
+        out["pressure"] = pressure_part()
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 

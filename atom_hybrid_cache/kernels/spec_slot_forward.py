@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from ..core.replay_cursor import PageStateError, after_prefill, plan_window
+from ..core.replay_cursor import PageStateError, accepted_records, after_prefill, plan_window
 from .conv_window import causal_conv1d
 from .replay_records import RecordLayout, page_records, read_header, replay_state, \
     window_forward, write_header
@@ -175,11 +175,8 @@ def prefill_rows(parts: LayerParts, rows: SlotRows, x: torch.Tensor, a: torch.Te
         page = pages.records[slot]
         base, written = read_header(page)
         c = int(computed[i])
-        if not base <= c <= base + written:
-            raise PageStateError(f"page holds the state after {base} tokens and {written} "
-                                 f"records; a request at {c} tokens cannot resume from it")
+        h = accepted_records(base, written, c)
         rec = page_records(page, pages.layout)
-        h = c - base
         h0[i] = replay_state(state_pool[slot], rec.k[:h], rec.u[:h], rec.g[:h])
         timeline, start = _conv_timeline(conv_pool[slot], base + written, c)
         w0[i] = timeline[:, timeline.shape[1] - taps:]

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -27,14 +26,6 @@ from ..kernels.replay_records import RecordLayout
 
 logger = logging.getLogger("atom_hybrid_cache")
 ENV_SWITCH = "ATOM_ENABLE_REPLAYSSM"
-
-
-def switched_on(environ=None) -> bool:
-    """The switch as the environment has it (validated: a bad value raises,
-    naming the variable)."""
-    env = os.environ if environ is None else environ
-    return load_settings(None, server_defaults(), environ={
-        k: v for k, v in env.items() if k.startswith("ATOM_")}).server.replayssm
 
 
 def num_spec_tokens(vllm_config) -> int:

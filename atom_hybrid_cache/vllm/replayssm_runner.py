@@ -50,9 +50,17 @@ def replayssm_groups(kv_cache_config) -> list:
 
 
 def runs_replayssm(runner) -> bool:
+    """Asked twice a step: the answer is kept on the runner once its KV
+    cache config exists (it does not change afterwards)."""
+    known = runner.__dict__.get("atom_runs_replayssm")
+    if known is not None:
+        return known
     config = getattr(runner, "kv_cache_config", None)
-    return (config is not None and runner.cache_config.mamba_cache_mode == "align"
-            and bool(replayssm_groups(config)))
+    if config is None:
+        return False
+    runner.atom_runs_replayssm = (runner.cache_config.mamba_cache_mode == "align"
+                                  and bool(replayssm_groups(config)))
+    return runner.atom_runs_replayssm
 
 
 # vLLM's names, read and set with getattr / setattr (listed in private_api)
