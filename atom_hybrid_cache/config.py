@@ -328,15 +328,11 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "holds at least 100 checkpoints' worth, off otherwise"),
     "ATOM_ENABLE_REPLAYSSM": (
         "server", "replayssm", _parse_switch,
-        "1: under speculative decoding, one state page per request (its committed state and "
-        "the records of its last windows) instead of 1 + k; a rejected draft rolls back by "
-        "a cursor. Environment only (it picks the model class). No effect without "
-        "--speculative-config"),
+        "1: one state page per request under speculative decoding, not 1 + k (environment "
+        "only; no effect without --speculative-config)"),
     "ATOM_REPLAYSSM_CACHE_LEN": (
         "server", "replayssm_cache_len", _parse_int,
-        "records a ReplaySSM page holds (unset: 2 * (k + 1), the least that works; a smaller "
-        "value is raised to it with a warning); accepted records fold into the state when "
-        "the next window might not fit"),
+        "records a ReplaySSM page holds (unset: the least, 2 * (k + 1); less is raised)"),
     "ATOM_STATS_LOG_INTERVAL": (
         "settings", "stats_log_interval", _parse_int,
         "print the cache log lines every N admissions (0: never; a vLLM server's default 100)"),
