@@ -11,8 +11,8 @@ log decay. From the committed state S_0 and the first h records,
 `replay_state` takes those h steps with the same operations, in the same
 order, as `gated_delta_ref.delta_rule_step`, so it is bit-identical to the
 state the tokens themselves produced; the summed form
-(`advance_state_with_corrections`, `replay_rebuild`) is within float
-rounding of it.
+(`replay_rebuild.summed_rebuild` and its kernel) is within float rounding
+of it.
 
 A request's records live in its state page, after a small header, as one
 flat float32 vector (`RecordLayout`):
