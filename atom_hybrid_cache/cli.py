@@ -163,10 +163,16 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="comma-separated checkpoint headroom slot counts to sweep, e.g. 0,8,32,128",
     )
 
+    pol.add_argument(
+        "--sweep-memory", metavar="LIST", type=gib_list, default=None,
+        help="comma-separated memory sizes in GiB: the plugin (default) against vLLM's own "
+             "caching (vllm-align) at each, plotted to --plot, e.g. 20,40,80",
+    )
+
     out = parser.add_argument_group("output")
     out.add_argument(
         "--plot", default=DEFAULT_PLOT, metavar="PATH",
-        help="PNG for the --sweep-slots plot (default: %(default)s)",
+        help="PNG for the --sweep-slots or --sweep-memory plot (default: %(default)s)",
     )
     out.add_argument("--json", default=None, metavar="PATH", help="also write the results as JSON")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -175,6 +181,16 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="worker processes for policies and sweep points (default: %(default)s)",
     )
     return parser
+
+
+def gib_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of GiB > 0, got {text!r}")
+    return values
 
 
 def build_parser() -> argparse.ArgumentParser:

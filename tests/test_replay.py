@@ -55,10 +55,35 @@ def test_over_context_requests_are_counted_apart(tmp_path, capsys):
 
 def test_sweep_writes_a_png(tmp_path):
     png = tmp_path / "s.png"
-    rc = main(["replay", "--no-progress", "--jobs", "1", "--policies", "default",
+    rc = main(["replay", "--no-progress", "--jobs", "1", "--policies", "separate-pools",
                "--sweep-slots", "0,8", "--plot", str(png)])
     assert rc == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_embedded_sample_prints_the_plugins_default(tmp_path, capsys):
+    """Issue 31: `default` is the plugin over vLLM's one page pool (2,925
+    pages of 448 tokens at 80 GiB), and on the embedded sample it is above
+    vLLM's own caching; the separate-pools model stays below both."""
+    res = _run(tmp_path, "--policies", "default,separate-pools,vllm-align")
+    prompt = res["default"]["prompt_tokens"]
+    assert res["default"]["kv_blocks"] == res["vllm-align"]["kv_blocks"] == 2925
+    assert round(res["default"]["hit_rate"] * prompt) == 412_928
+    assert round(res["vllm-align"]["hit_rate"] * prompt) == 409_920
+    assert round(res["separate-pools"]["hit_rate"] * prompt) == 392_384
+    assert res["default"]["hit_over_ceiling"] > res["vllm-align"]["hit_over_ceiling"]
+
+
+def test_memory_sweep_writes_a_png(tmp_path, capsys):
+    png = tmp_path / "m.png"
+    out = tmp_path / "m.json"
+    rc = main(["replay", "--no-progress", "--jobs", "1", "--policies", "default",
+               "--sweep-memory", "12,80", "--plot", str(png), "--json", str(out)])
+    assert rc == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sweep = json.loads(out.read_text())["meta"]["sweep_memory"]
+    assert sorted(sweep) == ["default", "vllm-align"]
+    assert [g for g, _ in sweep["default"]] == [12.0, 80.0]
 
 
 @pytest.mark.parametrize("args,flag", [

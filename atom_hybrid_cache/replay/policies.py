@@ -1,13 +1,18 @@
 """The policies a replay compares, each built for the same byte budget.
 
-- default: this project's placement and eviction, as shipped;
+- default: the plugin as it runs in vLLM: its placement and release in
+  units over vLLM's one page pool, states and KV alike
+  (core/shared_pool_manager.py); its figure is the plugin's;
+- separate-pools: the same placement over a KV block pool and a state slot
+  pool apart (core/manager.py): the slot headroom sweep's model, and the
+  baseline `simple`, `ladder-8192`, `no-state-cache` and the ceiling share;
 - simple: prompt-end anchor (the plain formula, no margin) + demand rung
   under plain LRU (what a first implementation does; shows what the
   reuse-aware parts, the margin and the insurance buy);
 - ladder-8192: rungs every 8192 tokens only, plain LRU;
 - no-state-cache: checkpointing off (the zero line: no hybrid hit at all);
 - kv-only-ceiling: a free state at every block boundary with the default's
-  KV pool (same blocks, same KV eviction order): the ceiling, so
+  separate-pools KV pool (same blocks, same KV eviction order): the ceiling, so
   hit/ceiling measures placement and state eviction alone;
 - vllm-align: an emulation of vLLM 0.32's own hybrid caching
   (align_emulation.py).
@@ -21,16 +26,21 @@ from typing import Optional
 
 from ..config import ReplayPoolConfig, PlacementConfig
 
-POLICY_NAMES = ("default", "kv-only-ceiling", "no-state-cache", "ladder-8192", "simple", "vllm-align")
+POLICY_NAMES = ("default", "separate-pools", "kv-only-ceiling", "no-state-cache", "ladder-8192",
+                "simple", "vllm-align")
 
 
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
-    cache: Optional[ReplayPoolConfig]  # None for the emulation
-    page_tokens: int = 0  # emulation only
-    num_pages: int = 0    # emulation only
-    pages_per_state: int = 1  # emulation only
+    cache: Optional[ReplayPoolConfig]  # None for the emulation and the shared pool
+    page_tokens: int = 0  # shared pool and emulation
+    num_pages: int = 0    # shared pool and emulation
+    pages_per_state: int = 1  # shared pool and emulation
+    # the plugin over one page pool (core/shared_pool_manager.py): its
+    # placement settings and floor fractions (the vLLM server's)
+    shared_pool: Optional[PlacementConfig] = None
+    floor_fractions: tuple = ()
 
 
 def parse_policy_names(text: str) -> list[str]:
@@ -48,9 +58,20 @@ def parse_policy_names(text: str) -> list[str]:
 def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_bytes: int,
                    budget_bytes: int, block_size: int, max_num_seqs: int, num_spec: int,
                    headroom_slots: int, base_placement: PlacementConfig,
-                   align_layout=None) -> list[PolicySpec]:
-    """`align_layout`: geometry.SharedPoolLayout for the vllm-align emulation
-    (computed with page_tokens_multiple=block_size)."""
+                   align_layout=None, server_placement: Optional[PlacementConfig] = None,
+                   floor_fractions: tuple = ()) -> list[PolicySpec]:
+    """`align_layout`: geometry.SharedPoolLayout of vLLM's pool, for the
+    shared-pool policy and the vllm-align emulation (computed with
+    page_tokens_multiple=block_size); `server_placement` and
+    `floor_fractions`: the vLLM server's settings, which `default` runs
+    (None: `base_placement`)."""
+
+    def shared_layout(name: str):
+        if align_layout is None:
+            raise ValueError(f"the {name} policy needs the model's shared pool layout")
+        if align_layout.pages_per_kv_block != 1:
+            raise ValueError(f"the {name} policy supports one attention group only")
+        return align_layout
     live = max_num_seqs * (1 + num_spec)
     block_bytes = kv_bytes_per_token * block_size
 
@@ -72,6 +93,13 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
     specs = []
     for name in names:
         if name == "default":
+            lay = shared_layout(name)
+            specs.append(PolicySpec(name, None, page_tokens=lay.block_size_tokens,
+                                    num_pages=lay.num_pages,
+                                    pages_per_state=lay.pages_per_state_slot,
+                                    shared_pool=server_placement or base_placement,
+                                    floor_fractions=floor_fractions))
+        elif name == "separate-pools":
             specs.append(PolicySpec(name, default))
         elif name == "kv-only-ceiling":
             specs.append(PolicySpec(name, dataclasses.replace(default, kv_only_ceiling=True)))
@@ -87,11 +115,7 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                                 insure_recompute_tokens=0)
             specs.append(PolicySpec(name, cfg(p, headroom_slots)))
         elif name == "vllm-align":
-            if align_layout is None:
-                raise ValueError("the vllm-align emulation needs the model's shared pool layout")
-            lay = align_layout
-            if lay.pages_per_kv_block != 1:
-                raise ValueError("the vllm-align emulation supports one attention group only")
+            lay = shared_layout(name)
             specs.append(PolicySpec(name, None, page_tokens=lay.block_size_tokens,
                                     num_pages=lay.num_pages, pages_per_state=lay.pages_per_state_slot))
         else:

@@ -232,11 +232,13 @@ def plot_sweep(
     points: dict[str, list[tuple[int, float]]],
     path: str | os.PathLike,
     title: str = "",
+    xlabel: str = "checkpoint headroom (state slots)",
 ) -> str:
-    """Plot hit/ceiling against checkpoint headroom slots, one line per policy.
+    """Plot hit/ceiling against a swept setting, one line per policy.
 
-    ``points`` maps a policy name to ``(headroom_slots, hit_over_ceiling)``
-    pairs in any order. Non-finite y values are skipped. Writes a PNG with
+    ``points`` maps a policy name to ``(x, hit_over_ceiling)`` pairs in any
+    order (x: headroom slots, or the memory in GiB with ``xlabel`` saying
+    so). Non-finite y values are skipped. Writes a PNG with
     the Agg backend (no display needed) and returns the path.
     """
     # The object API with an explicit Agg canvas: no pyplot global state and
@@ -250,7 +252,7 @@ def plot_sweep(
 
     ys_all: list[float] = []
     for policy, pts in points.items():
-        clean = sorted((int(x), float(y)) for x, y in pts if _finite(y))
+        clean = sorted((float(x), float(y)) for x, y in pts if _finite(y))
         if not clean:
             continue
         xs = [x for x, _ in clean]
@@ -264,7 +266,7 @@ def plot_sweep(
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle=":")
-    ax.set_xlabel("checkpoint headroom (state slots)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("hit rate / ceiling")
     if title:
         ax.set_title(title)

@@ -8,8 +8,9 @@ import sys
 import time
 from typing import Optional
 
-from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, load_settings
+from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, load_settings, server_defaults
 from ..core.manager import HybridCacheManager, Request
+from ..core.shared_pool_manager import SharedPoolManager, SharedPoolShape
 from .align_emulation import AlignEmulationManager
 from .policies import PolicySpec, build_policies, parse_policy_names
 from .report import PolicyResult, format_table, plot_sweep, write_json
@@ -35,6 +36,16 @@ _WORKLOAD: Optional[Workload] = None  # shared with forked workers
 
 def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, SimTotals, dict]:
     s = workload.settings
+    if spec.shared_pool is not None:
+        shape = SharedPoolShape(num_pages=spec.num_pages, page_tokens=spec.page_tokens,
+                                hash_unit=s.block_size, pages_per_state=spec.pages_per_state,
+                                max_num_seqs=s.concurrency)
+        mgr = SharedPoolManager(shape, spec.shared_pool, floor_fractions=spec.floor_fractions)
+        totals = simulate(workload.conversations, workload.source, mgr, _make_request, s, progress)
+        extra = dict(fates=mgr.fates(), writes=mgr.writes, kv_blocks=spec.num_pages,
+                     state_slots=0, page_tokens=spec.page_tokens,
+                     pages_per_state=spec.pages_per_state, stats=mgr.stats.as_dict())
+        return spec.name, totals, extra
     if spec.cache is None:
         mgr = AlignEmulationManager(spec.num_pages, spec.page_tokens, s.block_size, s.concurrency,
                                     spec.pages_per_state)
@@ -163,6 +174,16 @@ def placement_from_args(args) -> PlacementConfig:
     return p
 
 
+def server_policy(placement: PlacementConfig) -> dict:
+    """The vLLM server's settings for the `default` policy (the plugin as it
+    runs): the server's defaults with the exported ATOM_* variables, and the
+    interval the command asked for (`placement`'s)."""
+    server = load_settings(None, server_defaults())
+    return dict(server_placement=dataclasses.replace(
+                    server.placement, interval_tokens=placement.interval_tokens),
+                floor_fractions=server.server.floor_fractions)
+
+
 def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[str],
             headroom: Optional[int], placement: PlacementConfig, num_spec: int = 0,
             jobs: int = 2, show_progress: bool = False, replayssm: bool = False,
@@ -182,7 +203,7 @@ def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[s
         state_slot_bytes=geometry.state_slot_bytes, budget_bytes=int(memory_gib * GIB),
         block_size=s.block_size, max_num_seqs=s.concurrency, num_spec=num_spec,
         headroom_slots=default_headroom(s.concurrency) if headroom is None else headroom,
-        base_placement=placement, align_layout=layout)
+        base_placement=placement, align_layout=layout, **server_policy(placement))
     runs = run_specs(specs, workload, jobs, show_progress)
     return to_results(runs, s)
 
@@ -214,7 +235,8 @@ def run_replay(args) -> int:
         points: dict = {}
         for slots in args.sweep_slots:
             rs = compare(workload, geometry, memory_gib=args.memory_gib,
-                         policies=["default", "simple", "kv-only-ceiling"], headroom=slots,
+                         policies=["separate-pools", "simple", "kv-only-ceiling"],
+                         headroom=slots,
                          placement=placement, num_spec=args.num_spec, jobs=args.jobs,
                          replayssm=args.replayssm)
             for r in rs:
@@ -223,6 +245,21 @@ def run_replay(args) -> int:
         meta["sweep"] = points
         plot_sweep(points, args.plot, title.replace(", model", "\nmodel") + ": hit/ceiling vs checkpoint slots")
         print(f"sweep plot: {args.plot}")
+    if getattr(args, "sweep_memory", None):
+        points = {}
+        for gib in args.sweep_memory:
+            rs = compare(workload, geometry, memory_gib=gib,
+                         policies=["default", "vllm-align", "kv-only-ceiling"],
+                         headroom=headroom, placement=placement, num_spec=args.num_spec,
+                         jobs=args.jobs, replayssm=args.replayssm)
+            for r in rs:
+                if r.policy != "kv-only-ceiling":
+                    points.setdefault(r.policy, []).append((gib, r.hit_over_ceiling))
+        meta["sweep_memory"] = points
+        plot_sweep({("plugin (default)" if k == "default" else k): v for k, v in points.items()},
+                   args.plot, title.split(", model")[0] + f"\nmodel {geometry.name}, concurrency "
+                   f"{args.concurrency}: hit/ceiling vs memory", xlabel="memory for KV and states (GiB)")
+        print(f"memory sweep plot: {args.plot}")
     if args.json:
         write_json(results, args.json, meta)
         print(f"json: {args.json}")

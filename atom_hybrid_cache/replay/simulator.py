@@ -41,6 +41,12 @@ class SimSettings:
     block_size: int = 64
     max_model_len: int = 262_144
     max_requests: Optional[int] = None
+    # Lock-step rounds (benchmarks/e2e_pressure.py): every lane sends its
+    # next request only once the whole round has finished, as one
+    # `generate` call of all in-flight conversations does.
+    lockstep: bool = False
+    # decode at most this many tokens per request (None: the trace's)
+    max_output: Optional[int] = None
 
 
 @dataclass
@@ -159,7 +165,9 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             uid += 1
             core = make_request((conv.conversation_id, i), prompt_len, hashes, list(tuples))
             cur[2] = prompt_len
-            waiting.append(_Live(core, lane, max(1, tr.output_len), uid, prev_len))
+            out = tr.output_len if settings.max_output is None else min(tr.output_len,
+                                                                         settings.max_output)
+            waiting.append(_Live(core, lane, max(1, out), uid, prev_len))
             return
 
     for lane in range(settings.concurrency):
@@ -170,7 +178,8 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
         running.remove(live)
         if progress is not None:
             progress(1)
-        next_request(live.lane)
+        if not settings.lockstep:
+            next_request(live.lane)
 
     def grow(live: _Live, n: int) -> bool:
         core = live.core
@@ -193,6 +202,14 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
         waiting.appendleft(victim)
         totals.preemptions += 1
 
+    # a manager that takes a prefill's pages chunk by chunk (vLLM's way):
+    # admission takes the first chunk's, `reserve_chunk` each later one's
+    by_chunk = getattr(manager, "allocates_by_chunk", False)
+
+    def next_round() -> None:
+        for lane in range(settings.concurrency):
+            next_request(lane)
+
     while waiting or running:
         totals.steps += 1
         budget = settings.prefill_chunk
@@ -200,24 +217,39 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
         budget -= len(decoding)
         prefilling = [r for r in running if r.core.num_computed < r.core.prompt_len]
         worked = False
+        preempted = False
         for r in prefilling:
             if budget <= 0:
                 break
+            if r not in running:
+                continue   # preempted for another's chunk this step
             n = manager.next_chunk(r.core, budget)
+            if by_chunk:
+                # vLLM's running loop: no room for the chunk preempts the
+                # newest running request, this one itself last
+                while not manager.reserve_chunk(r.core, n):
+                    preempted = True
+                    preempt_for(r)
+                    if r not in running:
+                        break
+                if r not in running:
+                    continue
             manager.prefill_done(r.core, n)
             totals.prefill_tokens_computed += n
             budget -= n
             worked = True
-        while waiting and budget > 0 and len(running) < settings.concurrency:
+        while (waiting and budget > 0 and len(running) < settings.concurrency
+               and not (by_chunk and preempted)):
             live = waiting[0]
-            adm = manager.admit(live.core)
+            adm = manager.admit(live.core, budget) if by_chunk else manager.admit(live.core)
             if adm is None:
                 if not running:
                     # Larger than the whole pool: it can never run.
                     waiting.popleft()
                     totals.over_pool_requests += 1
                     totals.over_pool_tokens += live.core.prompt_len
-                    next_request(live.lane)
+                    if not settings.lockstep:
+                        next_request(live.lane)
                     continue
                 break
             waiting.popleft()
@@ -270,5 +302,7 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             c = r.core
             if c.num_computed >= c.prompt_len and r.decoded >= r.output_len - 1:
                 finish(r)
+        if settings.lockstep and not waiting and not running:
+            next_round()
     totals.elapsed_s = time.perf_counter() - t0
     return totals
