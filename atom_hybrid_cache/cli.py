@@ -2,6 +2,8 @@
 
     atom-hybrid-cache replay [TRACES ...] [options]   replay traces through the policies
     atom-hybrid-cache diagnose LOG                    say which cache pool binds
+    atom-hybrid-cache advise [TRACES ...] --model NAME --memory-gib G
+                                                      the settings to serve TRACES with
 
 ``replay`` only parses and validates its arguments here, then hands the
 namespace to ``atom_hybrid_cache.replay.runner.run_replay`` (imported when the
@@ -44,6 +46,16 @@ def _int_at_least(minimum: int) -> Callable[[str], int]:
 
 positive_int = _int_at_least(1)
 non_negative_int = _int_at_least(0)
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
 
 
 def positive_float(text: str) -> float:
@@ -112,6 +124,25 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     load.add_argument(
         "--num-spec", metavar="N", type=non_negative_int, default=0,
         help="speculative tokens per decode step (default: %(default)s)",
+    )
+    load.add_argument(
+        "--time-scale", metavar="X", type=non_negative_float, default=0.0,
+        help="client clock: a conversation sends its next turn at the previous one's "
+             "completion + min(think time, --think-cap-s) x X, sub-agents run as extra lanes "
+             "while their parent waits; 0: saturated, every turn at once (a bound) "
+             "(default: %(default)s)",
+    )
+    load.add_argument(
+        "--think-cap-s", metavar="S", type=non_negative_float, default=600.0,
+        help="the cap on one think time (default: %(default)s)",
+    )
+    load.add_argument(
+        "--prefill-tokens-per-s", metavar="N", type=positive_float, default=10_000.0,
+        help="with --time-scale: a step's prefill speed (default: %(default)s)",
+    )
+    load.add_argument(
+        "--decode-step-ms", metavar="MS", type=non_negative_float, default=30.0,
+        help="with --time-scale: a decode step's time (default: %(default)s)",
     )
     load.add_argument(
         "--replayssm", action="store_true",
@@ -193,6 +224,34 @@ def gib_list(text: str) -> list[float]:
     return values
 
 
+def model_name(text: str) -> str:
+    from atom_hybrid_cache.replay.geometry import GEOMETRY_PRESETS
+    if text not in GEOMETRY_PRESETS:
+        raise argparse.ArgumentTypeError(
+            f"unknown model {text!r}; known: {', '.join(sorted(GEOMETRY_PRESETS))}")
+    return text
+
+
+def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``advise`` flags to ``parser`` and return it."""
+    parser.add_argument(
+        "traces", nargs="*", metavar="TRACE",
+        help="trace files or folders (cc-traces JSON), at least 2 traces; none = the embedded sample",
+    )
+    parser.add_argument("--model", metavar="NAME", type=model_name, required=True,
+                        help="geometry preset name, e.g. qwen3.5-27b, qwen3-next-80b")
+    parser.add_argument("--memory-gib", metavar="GIB", type=positive_float, required=True,
+                        help="GPU memory for the KV and state pools, GiB")
+    parser.add_argument("--concurrency", metavar="N", type=positive_int, default=8,
+                        help="requests in flight at once (default: %(default)s)")
+    parser.add_argument("--prefill-chunk", metavar="N", type=positive_int, default=8192,
+                        help="prefill tokens per scheduler step (default: %(default)s)")
+    parser.add_argument("--jobs", metavar="N", type=positive_int, default=2,
+                        help="worker processes (default: %(default)s)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="atom-hybrid-cache",
@@ -216,6 +275,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     diag.add_argument("log", metavar="LOG", help="log file to read ('-' for stdin)")
     diag.set_defaults(handler=_run_diagnose)
+
+    try:
+        from atom_hybrid_cache.replay.advise import GRID_HELP
+    except ImportError:     # the replay stack is optional for `diagnose`
+        GRID_HELP = "see atom_hybrid_cache/replay/advise.py."
+    adv = sub.add_parser(
+        "advise",
+        help="sweep the plugin's settings through the replay planner and print the serve command",
+        description="Run a grid of the plugin's settings through the replay planner's default "
+                    "policy (the plugin as it runs in vLLM) on TRACES and their two halves, and "
+                    "print the `vllm serve` command with the ATOM_* variables to use, the hit "
+                    "rate to expect and the defaults'. Grid: " + GRID_HELP,
+    )
+    add_advise_arguments(adv)
+    adv.set_defaults(handler=_run_advise)
     return parser
 
 
@@ -242,6 +316,17 @@ def _run_replay(args: argparse.Namespace) -> int:
         # Bad input (a trace that does not parse, an unknown policy or model,
         # a budget too small for the state slots): one line naming it.
         print(f"atom-hybrid-cache replay: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_advise(args: argparse.Namespace) -> int:
+    from atom_hybrid_cache.replay.advise import run_advise
+    try:
+        return int(run_advise(args) or 0)
+    except (OSError, ValueError) as exc:
+        # a trace that does not parse, a set too small to halve, a budget
+        # too small for the pool: one line naming it
+        print(f"atom-hybrid-cache advise: {exc}", file=sys.stderr)
         return 2
 
 

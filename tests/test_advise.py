@@ -1,0 +1,187 @@
+"""`atom-hybrid-cache advise`: the grid run through the planner's `default`
+policy, the recommendation rule, the CLI's errors and the serve line."""
+
+import argparse
+import shlex
+
+import pytest
+
+from atom_hybrid_cache.cli import add_advise_arguments, main
+from atom_hybrid_cache.config import load_settings, server_defaults
+from atom_hybrid_cache.replay.advise import (PAGE_UNIT, PLUGIN_HASH_UNIT, SERVER_AXES,
+                                             Candidate, Outcome, _combinations, advise, choose,
+                                             env_var, format_advice, grid, serve_line,
+                                             server_axes, split_halves)
+from atom_hybrid_cache.replay.geometry import geometry_from_args
+from atom_hybrid_cache.replay.trace_model import Conversation, TraceRequest
+from atom_hybrid_cache.replay.traces import default_sample_paths, load_traces
+
+INTERVAL = env_var("placement", "interval_tokens")
+IDS = 300          # a prompt of 300 trace ids = 19,200 tokens
+
+
+def compacting_conversation(name: str, kept_ids: list) -> Conversation:
+    """A client that compacts its context each turn: every prompt keeps the
+    first `kept_ids[k]` ids of the one before (a cut at 8.3-9k tokens, below
+    where any earlier prompt was cut, under its cold state at half its
+    length) and refills to 300 ids with new ones. No prompt-end, junction or
+    cold state lies under the cut: only a ladder rung below it resumes."""
+    prompts = [list(range(IDS))]
+    fresh = IDS
+    for kept in kept_ids:
+        prompts.append(prompts[-1][:kept] + list(range(fresh, fresh + IDS - kept)))
+        fresh += IDS - kept
+    reqs = [TraceRequest(name, i, len(ids) * 64, 1, tuple(ids), float(i))
+            for i, ids in enumerate(prompts)]
+    return Conversation(name, reqs, source=f"{name}.json")
+
+
+def compacting_workload() -> list:
+    return [compacting_conversation(f"c{i}", [140, 135, 130, 133]) for i in range(2)]
+
+
+def embedded_sample() -> list:
+    return load_traces([p for p in default_sample_paths() if p.endswith(".json")])
+
+
+QWEN35 = geometry_from_args("qwen3.5-27b")
+
+
+def test_a_ladder_is_recommended_where_prompts_are_cut_below_every_state():
+    a = advise(compacting_workload(), QWEN35, memory_gib=40, concurrency=4)
+    assert a.recommended.candidate == Candidate(PLUGIN_HASH_UNIT, ((INTERVAL, "8192"),))
+    # the ladder's rung at 8064 tokens (8192 snapped to the 448-token page)
+    # resumes the three cut turns below the last cut's junction, which the
+    # defaults recompute; both halves gain alike
+    assert a.default.full < a.recommended.full
+    assert a.gain == pytest.approx(a.recommended.full - a.default.full)
+    assert a.noise < a.gain
+    for rec, dflt in zip(a.recommended.halves, a.default.halves):
+        assert rec > dflt
+    text = format_advice(a, model="qwen3.5-27b", memory_gib=40, concurrency=4)
+    assert ("  VLLM_PLUGINS=atom_hybrid_cache ATOM_STATE_CHECKPOINT_INTERVAL_TOKENS=8192 "
+            "vllm serve Qwen/Qwen3.5-27B --enable-prefix-caching") in text.splitlines()
+    assert f"recommended: {INTERVAL}=8192" in text
+
+
+def test_the_defaults_are_recommended_where_nothing_beats_them():
+    a = advise(embedded_sample(), QWEN35, memory_gib=40, concurrency=4)
+    assert a.recommended is a.default
+    assert a.recommended.candidate == Candidate(PLUGIN_HASH_UNIT)
+    # not a grid of ties: turning the cold checkpoints off loses here
+    cold_off = next(o for o in a.outcomes if o.candidate == Candidate(
+        PLUGIN_HASH_UNIT, ((env_var("placement", "cold_fractions"), ""),)))
+    assert cold_off.full < a.default.full - 0.01
+    text = format_advice(a, model="qwen3.5-27b", memory_gib=40, concurrency=4)
+    assert "recommended: the defaults" in text
+    assert ("  VLLM_PLUGINS=atom_hybrid_cache vllm serve Qwen/Qwen3.5-27B "
+            "--enable-prefix-caching") in text.splitlines()
+    # the second stage, around the defaults: the gate and floor variants the
+    # planner runs; what it does not model is said so
+    axes = server_axes()
+    variants = 1
+    for ax in axes:
+        variants *= len(ax[3])
+    assert len(a.outcomes) == 16 + variants - 1
+    missing = [f"{env_var(ax[1], ax[2])} (" for ax in SERVER_AXES if ax not in axes]
+    said = [line for line in text.splitlines() if line.startswith("not modelled, left at default: ")]
+    assert len(said) == 1
+    assert all(m in said[0] for m in missing + ["ATOM_ADMISSION_ORDER (arrival)"])
+
+
+def outcome(candidate, full, halves):
+    return Outcome(candidate, full, halves)
+
+
+def test_a_gain_the_halves_disagree_on_is_noise():
+    d = Candidate(PLUGIN_HASH_UNIT)
+    ladder = Candidate(PLUGIN_HASH_UNIT, ((INTERVAL, "8192"),))
+    page = Candidate(PAGE_UNIT)
+    # the page unit gains 0.02 overall but loses on one half: noise
+    # (the halves' 0.06 and -0.02 stray 0.04 from it); the ladder gains on both
+    outs = [outcome(d, 0.90, (0.90, 0.90)), outcome(page, 0.92, (0.96, 0.88)),
+            outcome(ladder, 0.91, (0.911, 0.909))]
+    best, gain, noise = choose(outs)
+    assert best.candidate == ladder
+    assert gain == pytest.approx(0.01)
+    assert noise == pytest.approx(0.001)
+    # a gain the halves do not show (the whole set's interleaving) is noise
+    best, gain, noise = choose([outcome(d, 0.90, (0.9, 0.9)), outcome(page, 0.905, (0.9, 0.9))])
+    assert (best.candidate, gain, noise) == (d, 0.0, 0.0)
+    best, gain, noise = choose([outcome(d, 0.90, (0.9, 0.9)), outcome(page, 0.905, (0.9, 0.9))][::-1])
+    assert best.candidate == d
+    # a gain under MIN_GAIN (0.001) keeps the defaults
+    best, _, _ = choose([outcome(d, 0.90, (0.9, 0.9)), outcome(ladder, 0.9005, (0.9005, 0.9005))])
+    assert best.candidate == d
+
+
+def test_halves_split_traces_not_sub_agents():
+    convs = [Conversation(n, [TraceRequest(n, 0, 64, 1, (1,), 0.0)], source=src)
+             for n, src in (("a", "t0"), ("a/sub", "t0"), ("b", "t1"), ("c", "t2"))]
+    even, odd = split_halves(convs)
+    assert [c.conversation_id for c in even] == ["a", "a/sub", "c"]
+    assert [c.conversation_id for c in odd] == ["b"]
+
+
+def test_grid_is_sixteen_candidates_defaults_first():
+    g = grid()
+    assert len(g) == 16 and len(set(g)) == 16
+    assert g[0].is_default
+    assert sum(c.hash_unit == PAGE_UNIT for c in g) == 8
+
+
+SECOND_STAGE = [Candidate(unit, extra) for unit in (PLUGIN_HASH_UNIT, PAGE_UNIT)
+                for extra in _combinations(SERVER_AXES)[1:]]
+
+
+@pytest.mark.parametrize("candidate", grid() + SECOND_STAGE, ids=lambda c: c.label())
+def test_the_serve_line_parses_back(candidate):
+    words = shlex.split(serve_line(candidate, "qwen3.5-27b", 448))
+    assert words[0] == "VLLM_PLUGINS=atom_hybrid_cache"
+    serve = words.index("vllm")
+    env = dict(w.split("=", 1) for w in words[1:serve])
+    assert all(v.startswith("ATOM_") for v in env)
+    # each variable validates as a server parses it, to the candidate's settings
+    assert load_settings(None, server_defaults(), environ=env) == candidate.settings()
+    assert words[serve:serve + 4] == ["vllm", "serve", "Qwen/Qwen3.5-27B",
+                                      "--enable-prefix-caching"]
+    unit = words[serve + 5:] if "--prefix-match-unit" in words else None
+    assert unit == (["448"] if candidate.hash_unit == PAGE_UNIT else None)
+
+
+def parse(argv):
+    return add_advise_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    ([], "--model"),
+    (["--model", "qwen3.5-27b"], "--memory-gib"),
+    (["--model", "llama", "--memory-gib", "40"], "--model"),
+    (["--model", "qwen3.5-27b", "--memory-gib", "0"], "--memory-gib"),
+    (["--model", "qwen3.5-27b", "--memory-gib", "x"], "--memory-gib"),
+    (["--model", "qwen3.5-27b", "--memory-gib", "40", "--concurrency", "0"], "--concurrency"),
+    (["--model", "qwen3.5-27b", "--memory-gib", "40", "--jobs", "-1"], "--jobs"),
+    (["--model", "qwen3.5-27b", "--memory-gib", "40", "--prefill-chunk", "0"],
+     "--prefill-chunk"),
+])
+def test_cli_errors_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["advise", *argv])
+    assert e.value.code == 2
+    assert flag in capsys.readouterr().err
+
+
+def test_cli_errors_at_run_time_name_what(capsys):
+    one = [p for p in default_sample_paths() if p.endswith(".json")][:1]
+    assert main(["advise", *one, "--model", "qwen3.5-27b", "--memory-gib", "40",
+                 "--no-progress"]) == 2
+    assert "TRACE: 1 trace(s) cannot be split into two halves" in capsys.readouterr().err
+    assert main(["advise", "--model", "qwen3.5-27b", "--memory-gib", "0.001",
+                 "--no-progress"]) == 2
+    assert "--memory-gib" in capsys.readouterr().err
+
+
+def test_cli_defaults():
+    a = parse(["--model", "qwen3-next-80b", "--memory-gib", "24"])
+    assert (a.traces, a.model, a.memory_gib, a.concurrency, a.prefill_chunk, a.jobs) == \
+        ([], "qwen3-next-80b", 24.0, 8, 8192, 2)
