@@ -122,17 +122,29 @@ traces, then per policy and point 2-4 minutes (c8 / 80 GiB: ~141 k steps;
 c4 / 40 GiB: ~266 k steps); the full default run (2 points x 3 policies) took
 20 minutes with other work on the machine. Wall-clock step times move by
 +-30% with such load; the table also gives the thread CPU time
-(``time.thread_time``) of the same calls, which moves less, and p50 / p99
-per step. Compare policies from one run.
+(``time.thread_time``) of the same calls, which moves less, and p50 / p99 /
+max per step (wall; p99 also in CPU time), with p99's ratio to native.
+Compare policies from one run.
+
+``--profile-slowest PCT`` profiles every step with cProfile and prints, per
+policy and point, the functions the slowest PCT% of the steps (by thread CPU
+time) spend their time in, per slow step, and what those steps did (finished
+or admitted a request, preempted, prefill tokens). The profiler slows every
+Python call, so the table's times are then not those of a plain run; time
+with a plain ``--interleave`` run and profile with another (on a cut
+workload, ``--max-traces``, it takes minutes).
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import cProfile
 import dataclasses
 import gc
+import heapq
 import json
+import math
 import os
 import shutil
 import sys
@@ -506,6 +518,90 @@ class Ceiling:
         self._prev.pop(conv.conversation_id, None)
 
 
+class SlowestSteps:
+    """``--profile-slowest PCT``: a cProfile of every step (``schedule()``
+    and ``update_from_output()`` of one step, one profiler), kept for the
+    slowest PCT% of the steps that scheduled something. Steps are ranked by
+    their thread CPU time under the profiler: on a loaded machine the wall
+    time ranks the other processes' preemptions. The number of steps is not
+    known ahead, so a step is kept while it is among the slowest PCT% of the
+    steps so far; the count kept is PCT% of the steps, and the set misses a
+    final one only where a step dropped early (the first steps' slowest)
+    outranks a later one."""
+
+    def __init__(self, pct: float) -> None:
+        self.fraction = pct / 100
+        self.steps = 0
+        self.cpu_s = 0.0
+        # min-heap of (cpu_s, step, {function: (calls, self s, cumulative s)}, features)
+        self.kept: list = []
+
+    @staticmethod
+    def profiler() -> cProfile.Profile:
+        """A step's profiler. It clocks process CPU time: on a loaded
+        machine a wall clock charges a function for the time the process
+        waited, and one such wait outweighs a step's work."""
+        return cProfile.Profile(time.process_time)
+
+    def add(self, prof: cProfile.Profile, cpu_s: float, features: tuple) -> None:
+        """One profiled step; `features`: (requests finished, requests newly
+        scheduled, requests preempted, prefill tokens scheduled)."""
+        self.steps += 1
+        self.cpu_s += cpu_s
+        room = max(1, math.ceil(self.fraction * self.steps)) > len(self.kept)
+        if not room and cpu_s <= self.kept[0][0]:
+            return
+        prof.create_stats()
+        item = (cpu_s, self.steps, {f: (v[1], v[2], v[3]) for f, v in prof.stats.items()},
+                features)
+        if room:
+            heapq.heappush(self.kept, item)
+        else:
+            heapq.heapreplace(self.kept, item)
+
+    def report(self, title: str, top: int = 25) -> str:
+        n = len(self.kept)
+        if not n:
+            return f"{title}: no steps profiled"
+        total: dict = {}
+        for _, _, stats, _ in self.kept:
+            for f, (calls, own, cum) in stats.items():
+                c0, o0, u0 = total.get(f, (0, 0.0, 0.0))
+                total[f] = (c0 + calls, o0 + own, u0 + cum)
+        feats = [k[3] for k in self.kept]
+        mean_cpu = 1e6 * sum(k[0] for k in self.kept) / n
+        lines = [
+            f"{title}: the slowest {n:,} of {self.steps:,} steps (CPU under the profiler "
+            f"{mean_cpu:,.0f} us mean, all steps {1e6 * self.cpu_s / self.steps:,.0f} us, "
+            f"fastest kept {1e6 * self.kept[0][0]:,.0f} us); with a finished request "
+            f"{sum(1 for f in feats if f[0]) / n:.0%}, a new one "
+            f"{sum(1 for f in feats if f[1]) / n:.0%}, a preemption "
+            f"{sum(1 for f in feats if f[2]) / n:.0%}; prefill tokens "
+            f"{sum(f[3] for f in feats) / n:,.0f} mean",
+            f"  {'cum us':>8} {'self us':>8} {'calls':>8}  function (per slow step, by "
+            "cumulative time)"]
+        ranked = sorted(total.items(), key=lambda kv: kv[1][2], reverse=True)
+        shown = 0
+        for (file, line, func), (calls, own, cum) in ranked:
+            if func == "<method 'disable' of '_lsprof.Profiler' objects>":
+                continue
+            where = f"{Path(file).name}:{line}({func})" if file != "~" else func
+            lines.append(f"  {1e6 * cum / n:>8,.0f} {1e6 * own / n:>8,.0f} {calls / n:>8,.1f}  "
+                         f"{where}")
+            shown += 1
+            if shown >= top:
+                break
+        return "\n".join(lines)
+
+
+def _percentiles(values: list) -> tuple[float, float, float]:
+    """(p50, p99, max) of a list, the nearest-rank values the table gives."""
+    if not values:
+        return 0.0, 0.0, 0.0
+    v = sorted(values)
+    return v[len(v) // 2], v[min(len(v) - 1, int(0.99 * len(v)))], v[-1]
+
+
 @dataclasses.dataclass
 class PointResult:
     policy: str
@@ -541,6 +637,12 @@ class PointResult:
     wall_s: float = 0.0
     step_us_p50: float = 0.0
     step_us_p99: float = 0.0
+    step_us_max: float = 0.0
+    step_cpu_us_p50: float = 0.0  # thread CPU time per step, as sched_cpu_s
+    step_cpu_us_p99: float = 0.0
+    step_cpu_us_max: float = 0.0
+    # --profile-slowest: the cProfile of the slowest steps (SlowestSteps.report)
+    slowest_profile: str = ""
 
     @property
     def hit_rate(self) -> float:
@@ -613,9 +715,11 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
                 max_requests: Optional[int] = None,
                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
                 async_scheduling: bool = False, progress: bool = False,
-                log=None):
+                log=None, profile_slowest: Optional[float] = None):
     """`run_point` as a generator: yields the scheduler after every step
-    (a test can look at its state there) and returns the PointResult."""
+    (a test can look at its state there) and returns the PointResult.
+    `profile_slowest` (a percentage): profile every step and keep the
+    slowest (`SlowestSteps`; its report in `PointResult.slowest_profile`)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -747,25 +851,34 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
     perf = time.perf_counter
     cpu = time.thread_time
     step_us: list[float] = []
+    step_cpu_us: list[float] = []
+    slowest = SlowestSteps(profile_slowest) if profile_slowest else None
 
     def do_schedule():
         """One schedule() and the "model": a token for each request whose
         prefill completes in this step (its chunk reaches the end)."""
+        prof = slowest.profiler() if slowest is not None else None
         c0 = cpu()
         t0 = perf()
+        if prof is not None:
+            prof.enable()
         out = sched.schedule()
+        if prof is not None:
+            prof.disable()
         t1 = perf()
         c1 = cpu()
         requests = sched.requests
         for nrd in out.scheduled_new_reqs:
             if nrd.req_id not in hits:  # first scheduling: its prefix-cache hit
                 hits[nrd.req_id] = nrd.num_computed_tokens
+        prefill = 0
         for rid, n in out.num_scheduled_tokens.items():
             start = requests[rid].num_computed_tokens - n  # schedule() already advanced it
             if n == 1 and start >= requests[rid].num_prompt_tokens:
                 res.decode_tokens += 1
             else:
-                res.prefill_tokens_scheduled += n
+                prefill += n
+        res.prefill_tokens_scheduled += prefill
         if out.preempted_req_ids:
             res.preemptions += len(out.preempted_req_ids)
             preempted_ids.update(out.preempted_req_ids)
@@ -776,20 +889,31 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
         res.sched_cpu_s += c1 - c0
         if not out.num_scheduled_tokens:
             res.empty_steps += 1
-        return out, mro, t1 - t0
+        return out, mro, (t1 - t0, c1 - c0, prof, prefill)
 
-    def do_update(out, mro, sched_s) -> list:
+    def do_update(out, mro, step) -> list:
+        sched_s, sched_cpu_s, prof, prefill = step
         c0 = cpu()
         t0 = perf()
+        if prof is not None:
+            prof.enable()
         outputs = sched.update_from_output(out, mro)
+        if prof is not None:
+            prof.disable()
         t1 = perf()
         c1 = cpu()
         res.update_s += t1 - t0
         res.sched_cpu_s += c1 - c0
+        finished = [o.request_id for eco in outputs.values() for o in eco.outputs
+                    if o.finish_reason is not None]
         if out.num_scheduled_tokens:
             step_us.append(1e6 * (sched_s + t1 - t0))
-        return [o.request_id for eco in outputs.values() for o in eco.outputs
-                if o.finish_reason is not None]
+            step_cpu_us.append(1e6 * (sched_cpu_s + c1 - c0))
+            if slowest is not None:
+                slowest.add(prof, sched_cpu_s + c1 - c0,
+                            (len(finished), len(out.scheduled_new_reqs),
+                             len(out.preempted_req_ids or ()), prefill))
+        return finished
 
     def abort_unservable() -> Optional[str]:
         """Nothing runs and the head of the queue still cannot be admitted:
@@ -823,8 +947,8 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
     idle = 0
     if not async_scheduling:
         while sched.has_requests():
-            out, mro, sched_s = do_schedule()
-            finished = do_update(out, mro, sched_s)
+            out, mro, step = do_schedule()
+            finished = do_update(out, mro, step)
             idle = 0 if out.num_scheduled_tokens else idle + 1
             if idle >= 2 and (rid := abort_unservable()) is not None:
                 finished.append(rid)
@@ -840,8 +964,8 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
         queue: deque = deque()
         while sched.has_requests() or queue:
             if sched.has_requests():
-                out, mro, sched_s = do_schedule()
-                queue.appendleft((out, mro, sched_s))
+                out, mro, step = do_schedule()
+                queue.appendleft((out, mro, step))
                 executed = bool(out.num_scheduled_tokens)
                 idle = 0 if executed else idle + 1
                 if len(queue) < 2 and (executed or sched.has_requests()):
@@ -859,10 +983,12 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
     res.preempted_requests = len(preempted_ids)
     res.harness_s = harness[0]
     res.wall_s = time.perf_counter() - t_wall
-    if step_us:
-        step_us.sort()
-        res.step_us_p50 = step_us[len(step_us) // 2]
-        res.step_us_p99 = step_us[min(len(step_us) - 1, int(0.99 * len(step_us)))]
+    res.step_us_p50, res.step_us_p99, res.step_us_max = _percentiles(step_us)
+    res.step_cpu_us_p50, res.step_cpu_us_p99, res.step_cpu_us_max = _percentiles(step_cpu_us)
+    if slowest is not None:
+        res.slowest_profile = slowest.report(
+            f"{policy.name} c{concurrency}/{memory_gib:g}G, profile of the slowest "
+            f"{profile_slowest:g}%")
     return res
 
 
@@ -906,7 +1032,8 @@ def _fmt_ratio(x: float) -> str:
 def format_table(results: list[PointResult]) -> str:
     head = (f"{'point':<10} {'policy':<13} {'hit':>7} {'ceiling':>7} {'hit/ceil':>8} "
             f"{'computed prompt tok':>19} {'prefill sched':>13} {'preempt':>7} {'steps':>8} "
-            f"{'us/step':>8} {'vs native':>9} {'cpu us':>7} {'vs native':>9} {'p99 us':>7} "
+            f"{'us/step':>8} {'vs native':>9} {'cpu us':>7} {'vs native':>9} {'p50 us':>7} "
+            f"{'p99 us':>7} {'vs native':>9} {'max us':>7} {'cpu p99':>7} {'vs native':>9} "
             f"{'block':>5} {'blocks':>6}")
     lines = [head, "-" * len(head)]
     native: dict[tuple, PointResult] = {}
@@ -921,13 +1048,17 @@ def format_table(results: list[PointResult]) -> str:
         base = native.get((r.concurrency, r.memory_gib))
         ratio = r.sched_us_per_step / base.sched_us_per_step if base else float("nan")
         cpu_ratio = r.sched_cpu_us_per_step / base.sched_cpu_us_per_step if base else float("nan")
+        p99_ratio = r.step_us_p99 / base.step_us_p99 if base and base.step_us_p99 else float("nan")
+        cpu_p99_ratio = (r.step_cpu_us_p99 / base.step_cpu_us_p99
+                         if base and base.step_cpu_us_p99 else float("nan"))
         lines.append(
             f"{point:<10} {r.policy:<13} {100 * r.hit_rate:6.2f}% {100 * r.ceiling_rate:6.2f}% "
             f"{_fmt_ratio(r.hit_over_ceiling):>8} {r.computed_prompt_tokens:>19,} "
             f"{r.prefill_tokens_scheduled:>13,} {r.preemptions:>7,} {r.steps:>8,} "
             f"{r.sched_us_per_step:>8.1f} {_fmt_ratio(ratio):>9} {r.sched_cpu_us_per_step:>7.1f} "
-            f"{_fmt_ratio(cpu_ratio):>9} {r.step_us_p99:>7.0f} {r.block_size:>5} "
-            f"{r.num_blocks:>6,}")
+            f"{_fmt_ratio(cpu_ratio):>9} {r.step_us_p50:>7.0f} {r.step_us_p99:>7.0f} "
+            f"{_fmt_ratio(p99_ratio):>9} {r.step_us_max:>7.0f} {r.step_cpu_us_p99:>7.0f} "
+            f"{_fmt_ratio(cpu_p99_ratio):>9} {r.block_size:>5} {r.num_blocks:>6,}")
     ok = [r for r in results if r.status == "ok"]
     if ok:
         r0 = ok[0]
@@ -964,6 +1095,10 @@ def main(argv=None) -> int:
     ap.add_argument("--interleave", action="store_true",
                     help="run the policies of a point side by side, one scheduler step of "
                          "each in turn (time ratios from the same minutes; no progress bars)")
+    ap.add_argument("--profile-slowest", type=float, default=None, metavar="PCT",
+                    help="profile every step (cProfile) and print, per policy, where the "
+                         "slowest PCT%% of them (by thread CPU time) spend it; the table's "
+                         "times are then those under the profiler")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
@@ -972,6 +1107,8 @@ def main(argv=None) -> int:
         v = getattr(args, name)
         if v is not None and v <= 0:
             ap.error(f"--{name.replace('_', '-')} must be positive")
+    if args.profile_slowest is not None and not 0 < args.profile_slowest <= 100:
+        ap.error("--profile-slowest must be a percentage in (0, 100]")
 
     for key, value in CLI_ENV.items():
         os.environ.setdefault(key, value)
@@ -988,6 +1125,7 @@ def main(argv=None) -> int:
                       max_requests=args.max_requests,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       async_scheduling=args.async_scheduling,
+                      profile_slowest=args.profile_slowest,
                       log=lambda s: print(s, flush=True))
         gc.collect()
         if args.interleave:
@@ -1008,12 +1146,17 @@ def main(argv=None) -> int:
                 print(f"  {name} c{conc}/{gib:g}: {r.status}", flush=True)
     print()
     print(format_table(results))
+    for r in results:
+        if r.slowest_profile:
+            print()
+            print(r.slowest_profile)
     if args.json:
         meta = dict(traces=args.traces, max_traces=args.max_traces,
                     max_requests=args.max_requests, max_output=args.max_output,
                     max_model_len=args.max_model_len,
                     max_num_batched_tokens=args.max_num_batched_tokens,
                     async_scheduling=args.async_scheduling, interleave=args.interleave,
+                    profile_slowest=args.profile_slowest,
                     points=[f"c{c}:{g:g}" for c, g in args.points], policies=args.policies,
                     geometry="qwen3.5-27b (bf16 state)", vllm=vllm.__version__,
                     elapsed_s=time.perf_counter() - t0)

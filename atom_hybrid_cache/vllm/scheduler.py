@@ -13,6 +13,8 @@ attention-only model). It overrides five methods and nothing else:
 - `_free_request_blocks`: release in units (`release`);
 - `reset_prefix_cache`: the plugin's references go first.
 Without our state groups it is vLLM's scheduler (plus the gate, if asked).
+The lookups the gate and hits-first make answer vLLM's lookups of the same
+step while they stand (`step_lookups`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from . import admission, release
 from .admission_order import order_waiting
 from .scheduler_setup import SchedulerParts, build_parts
+from .step_lookups import StepLookups
 
 
 class AtomSchedulerMixin:
@@ -30,6 +33,14 @@ class AtomSchedulerMixin:
     atom: SchedulerParts = SchedulerParts()
     # what the store connector checks the scheduler class for
     atom_scheduler = True
+    # the gate's and hits-first's lookups, kept for vLLM's (None: neither runs)
+    atom_lookups: StepLookups | None = None
+
+    def _atom_setup(self) -> None:
+        self.atom = build_parts(self)
+        if self.atom.gate is not None or self.atom.hits_first:
+            kvm = self.kv_cache_manager
+            self.atom_lookups = StepLookups(kvm.coordinator, kvm.block_pool)
 
     def _mamba_block_aligned_split(self, request, num_new_tokens: int,
                                    num_new_local_computed_tokens: int = 0,
@@ -54,6 +65,9 @@ class AtomSchedulerMixin:
         parts = self.atom
         gate = parts.gate
         hits = {} if gate is not None else None
+        lookups = self.atom_lookups
+        if lookups is not None:
+            lookups.record()
         if parts.floors is not None:
             # before the gate counts the free pages: a floor is not free
             parts.floors.hold_window(self)
@@ -62,10 +76,14 @@ class AtomSchedulerMixin:
         if parts.store is not None:
             parts.store.open_step()
         gated = gate.open(self, hits) if gate is not None else None
+        if lookups is not None:
+            lookups.stop_recording()
         out = None
         try:
             out = super().schedule(*args, **kwargs)
         finally:
+            if lookups is not None:
+                lookups.forget()
             if gated is not None:
                 gate.close(self, gated, out)
         if parts.planner is not None:
@@ -98,10 +116,10 @@ class AtomSchedulerMixin:
 class AtomScheduler(AtomSchedulerMixin, Scheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.atom = build_parts(self)
+        self._atom_setup()
 
 
 class AtomAsyncScheduler(AtomSchedulerMixin, AsyncScheduler):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.atom = build_parts(self)
+        self._atom_setup()
