@@ -31,7 +31,7 @@ from .state_checkpoint import CheckpointWrites, store_interior_checkpoints
 @dataclass
 class LayerParts:
     """`split_qkv(conv_output) -> (q, k, v)`; `gating(a, b) -> (g, beta)`
-    in log space, fp32."""
+    in log space, fp32: g per value head (GDN) or per key dimension (KDA)."""
 
     conv_weight: torch.Tensor
     conv_bias: Optional[torch.Tensor]
@@ -81,7 +81,11 @@ def run_rows(parts: LayerParts, rows: SlotRows, x: torch.Tensor, a: torch.Tensor
                                 initial_windows=w0, activation=parts.activation)
     q, k, v = parts.split_qkv(conv.output)
     g, beta = parts.gating(a, b)
-    g, beta = g.reshape(q.shape[0], -1).float(), beta.reshape(q.shape[0], -1).float()
+    # GDN: one decay per value head [T, HV]; KDA: one per key dimension
+    # [T, HV, K] (gated_delta_ref.per_dim_gate tells them apart)
+    g = g.reshape(q.shape[0], v.shape[1], -1).float()
+    g = g.squeeze(-1) if g.shape[-1] == 1 else g
+    beta = beta.reshape(q.shape[0], -1).float()
     fwd = gated_delta_chunk_forward(q.float(), k.float(), v.float(), g, beta, rows.cu_seqlens,
                                     initial_state=h0, use_qk_l2norm=True, backend="torch")
     return conv, g, fwd

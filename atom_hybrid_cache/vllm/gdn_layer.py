@@ -22,11 +22,11 @@ from .replayssm import engine_geometry, log_start
 from .spec import AtomGDNSpec
 
 
-def interior_checkpoints_available(vllm_config) -> bool:
+def interior_checkpoints_available(vllm_config, state_class: str = "gated_delta_net") -> bool:
     cache = vllm_config.cache_config
     settings = load_settings(vllm_config.additional_config, server_defaults())
     return (settings.server.interior_checkpoints == "on"
-            and interior_states_readable(["gated_delta_net"])
+            and interior_states_readable([state_class])
             and current_platform.is_cpu()
             and private_api.feature_on(private_api.CPU_GDN_FORWARD)
             and vllm_config.speculative_config is None

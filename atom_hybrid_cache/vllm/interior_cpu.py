@@ -72,14 +72,15 @@ def atom_gdn_attention_core_cpu(mixed_qkv: torch.Tensor, b: torch.Tensor, a: tor
 
 
 def store_targets_from_torch_core(layer, num_decodes: int, interior, mixed_qkv: torch.Tensor,
-                                  step) -> None:
+                                  step, pools=None) -> None:
     """Each target's state and conv window from what the torch core kept;
-    `interior.rows` count prefills, the core's rows start with the decodes."""
+    `interior.rows` count prefills, the core's rows start with the decodes.
+    `pools`: the layer's (state, conv window) slot views, GDN's by default."""
     cu = step.cu_seqlens
     writes = CheckpointWrites.from_lists([num_decodes + r for r in interior.rows],
                                          interior.positions, interior.slots,
                                          row_lengths=(cu[1:] - cu[:-1]).tolist())
-    store_step_targets(step, writes, mixed_qkv, *slot_pools(layer))
+    store_step_targets(step, writes, mixed_qkv, *(pools or slot_pools(layer)))
 
 
 def _core(layer, mdi, mixed_qkv, b, a, core_attn_out, layer_name) -> None:

@@ -24,8 +24,8 @@ CHECKPOINT_PLACEMENT = "checkpoint placement (prefill chunks end on planned chec
 EVICTION_ORDER = "eviction order (a freed request's pages leave in units)"
 STEADY_SHORTCUTS = "steady-step shortcuts of the state managers"
 FAST_PREFIX_LOOKUP = "one-lookup state search in the prefix index"
-CPU_GDN_FORWARD = ("the plugin's CPU GDN forward (interior checkpoints, float32 models; "
-                   "vLLM's forward runs instead)")
+CPU_GDN_FORWARD = ("the plugin's CPU GDN and KDA forwards (interior checkpoints, float32 "
+                   "models, KDA on CPU; vLLM's forward runs instead)")
 REPLAYSSM_ALIGN = ("ReplaySSM with prefix caching (align mode page moves; without it "
                    "vLLM's fused speculative copies run)")
 # (LMCache's, not vLLM's: the store connector's close reads two of them)

@@ -1,8 +1,10 @@
 """Set-up: everything the plugin registers with vLLM, in one place.
 
 Written against vLLM 0.32.0. Through vLLM's registries: our state specs with
-their managers (`KVCacheSpecRegistry`), our GDN layer
-(`QwenGatedDeltaNetAttention.register_oot`), the connectors
+their managers (`KVCacheSpecRegistry`), our GDN and KDA layers
+(`QwenGatedDeltaNetAttention.register_oot`,
+`KimiGatedDeltaNetAttention.register_oot`), on CPU a Kimi-Linear model
+class vLLM's CPU build can run (`ModelRegistry`), the connectors
 (`KVConnectorFactory`). Two monkeypatches (`PATCHES`) for two choices vLLM
 makes from a setting and no registry, each only where its setting is unset
 and the plugin enabled: the scheduler class (`default_scheduler_class`) and
@@ -89,6 +91,33 @@ def register_gdn_layer() -> None:
 
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not AtomGDN:
         QwenGatedDeltaNetAttention.register_oot(AtomGDN)
+
+
+@functools.cache
+def register_kda_layer() -> None:
+    """Kimi-Linear KDA layers are built as AtomKDA. Idempotent."""
+    from vllm.model_executor.custom_op import op_registry_oot
+    from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
+
+    from .kda_layer import AtomKDA
+
+    if op_registry_oot.get(KimiGatedDeltaNetAttention.__name__) is not AtomKDA:
+        KimiGatedDeltaNetAttention.register_oot(AtomKDA)
+
+
+@functools.cache
+def register_kimi_linear_cpu() -> None:
+    """On the CPU platform only, `KimiLinearForCausalLM` resolves to the
+    plugin's CPU route (`kimi_linear_cpu`): vLLM's class cannot be built
+    there (a CUDA stream, Triton MLA). Idempotent."""
+    from vllm.model_executor.models.registry import ModelRegistry
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from . import kimi_linear_cpu
+    ModelRegistry.register_model(kimi_linear_cpu.ARCHITECTURE,
+                                 f"{kimi_linear_cpu.__name__}:KimiLinearCPUForCausalLM")
 
 
 @functools.cache
@@ -255,6 +284,8 @@ def register_all() -> None:
     private_api.check()
     register_cache_manager()
     register_gdn_layer()
+    register_kda_layer()
+    register_kimi_linear_cpu()
     register_connectors()
     default_scheduler_class()
     default_hash_unit()

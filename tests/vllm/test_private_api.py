@@ -81,9 +81,10 @@ def _overrides() -> set:
     """Private methods of our classes that override one of vLLM's."""
     out = set()
     for cls in _our_classes():
-        # (abc's bookkeeping is no name of vLLM's)
+        # (abc's and typing.Protocol's bookkeeping are no names of vLLM's: a
+        # subclass of vLLM's model interfaces gets its own `_is_protocol`)
         ours = {n for c in cls.__mro__ if c.__module__.startswith("atom_hybrid_cache")
-                for n in vars(c) if _private(n) and n != "_abc_impl"}
+                for n in vars(c) if _private(n) and n not in ("_abc_impl", "_is_protocol")}
         theirs = {n for c in cls.__mro__ if c.__module__.startswith("vllm") for n in vars(c)}
         out |= ours & theirs
     return out
