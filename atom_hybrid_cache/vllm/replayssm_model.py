@@ -7,7 +7,8 @@ architectures the plugin registers (`ModelRegistry.register_model`, lazily
 by name) a subclass that adds them where the engine runs ReplaySSM;
 elsewhere it is its parent, unchanged. Each subclass is made when vLLM
 first asks for its name, importing only its parent's module (Qwen3.5's
-needs torchvision, Qwen3-Next's does not).
+needs torchvision, Qwen3-Next's does not). An MTP drafter (`Qwen3NextMTP`)
+has no GDN layer and no state page: it is not registered.
 """
 
 from __future__ import annotations

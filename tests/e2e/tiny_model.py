@@ -229,14 +229,20 @@ def _tokenizer_config() -> dict[str, Any]:
     }
 
 
-def _spec(config: dict[str, Any], seed: int) -> dict[str, Any]:
-    return {"builder": BUILDER_VERSION, "seed": seed, "config": config,
+def _spec(config: dict[str, Any], seed: int,
+          mtp: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = {"builder": BUILDER_VERSION, "seed": seed, "config": config,
             "num_words": NUM_WORDS, "special_tokens": SPECIAL_TOKENS}
+    if mtp is not None:       # only the MTP variant: the plain model's hash stays
+        spec["mtp"] = mtp
+    return spec
 
 
-def model_hash(config: dict[str, Any] | None = None, seed: int = SEED) -> str:
-    """Content hash of the folder ``build_tiny_qwen3_next`` writes."""
-    spec = _spec(dict(TINY_CONFIG if config is None else config), seed)
+def model_hash(config: dict[str, Any] | None = None, seed: int = SEED,
+               mtp: dict[str, Any] | None = None) -> str:
+    """Content hash of the folder ``build_tiny_qwen3_next`` (or, with
+    ``mtp``, ``build_tiny_qwen3_next_mtp``) writes."""
+    spec = _spec(dict(TINY_CONFIG if config is None else config), seed, mtp)
     blob = json.dumps(spec, sort_keys=True, separators=(",", ":")).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -248,7 +254,8 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "atom_hybrid_cache"
 
 
-def _write(dest: Path, config: dict[str, Any], seed: int, digest: str) -> None:
+def _write(dest: Path, config: dict[str, Any], seed: int, digest: str,
+           mtp: dict[str, Any] | None = None) -> None:
     import torch
     from safetensors.torch import save_file
 
@@ -256,6 +263,8 @@ def _write(dest: Path, config: dict[str, Any], seed: int, digest: str) -> None:
     tensors = {}
     for name, shape in sorted(_param_shapes(config).items()):
         tensors[name] = _init_tensor(name, shape, gen).to(torch.bfloat16).contiguous()
+    if mtp is not None:
+        tensors.update(_mtp_tensors(config, seed, mtp, tensors))
     save_file(tensors, str(dest / "model.safetensors"), metadata={"format": "pt"})
 
     (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -270,7 +279,7 @@ def _write(dest: Path, config: dict[str, Any], seed: int, digest: str) -> None:
          "bos_token": BOS_TOKEN}, indent=2) + "\n")
     # written last: its presence marks a complete folder
     (dest / "atom_tiny_model.json").write_text(json.dumps(
-        {"hash": digest, **_spec(config, seed)}, indent=2, sort_keys=True) + "\n")
+        {"hash": digest, **_spec(config, seed, mtp)}, indent=2, sort_keys=True) + "\n")
 
 
 def _complete(path: Path, digest: str) -> bool:
@@ -293,9 +302,14 @@ def build_tiny_qwen3_next(path: str | os.PathLike | None = None, *,
     """
     config = dict(TINY_CONFIG)
     config.update(config_overrides or {})
-    digest = model_hash(config, seed)
+    return _build(path, MODEL_NAME_PREFIX, config, seed)
+
+
+def _build(path, prefix: str, config: dict[str, Any], seed: int,
+           mtp: dict[str, Any] | None = None) -> Path:
+    digest = model_hash(config, seed, mtp)
     dest = (Path(path) if path is not None
-            else cache_root() / f"{MODEL_NAME_PREFIX}-{digest}").expanduser()
+            else cache_root() / f"{prefix}-{digest}").expanduser()
     if _complete(dest, digest):
         return dest
 
@@ -303,7 +317,7 @@ def build_tiny_qwen3_next(path: str | os.PathLike | None = None, *,
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     os.chmod(tmp, 0o755)
     try:
-        _write(tmp, config, seed, digest)
+        _write(tmp, config, seed, digest, mtp)
         if dest.exists():
             if _complete(dest, digest):       # another process won the race
                 return dest
@@ -317,6 +331,75 @@ def build_tiny_qwen3_next(path: str | os.PathLike | None = None, *,
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+# --- The MTP variant (``build_tiny_qwen3_next_mtp``) ---------------------------
+#
+# The same model plus one multi-token-prediction layer (``mtp.*``, what vLLM
+# 0.32's ``Qwen3NextMTP`` loads for ``speculative_config={"method": "mtp"}``):
+# fc over [norm(embedding of token t + 1), norm(hidden of t)], a full-attention
+# MoE decoder layer, a final norm, the main model's embedding and lm_head.
+# A random head would draft what the main model never says (rejected at the
+# first token, always). This one drafts a bigram guess: fc passes the token's
+# embedding only, the layer's output projections are scaled down (near
+# identity) and its final norm is the main model's, so its draft for t + 2 is
+# about argmax(lm_head . norm(embed(token t + 1))). With the main model's
+# embedding scaled by ``embed_scale`` (the only main weight that differs from
+# ``build_tiny_qwen3_next``'s) the residual stream leans on the current token
+# and the main model agrees with that guess for part of its tokens; the
+# context (the GDN states) decides the rest.
+
+MTP_MODEL_NAME_PREFIX = "tiny-qwen3-next-mtp"
+MTP_HEAD: dict[str, Any] = {"version": 1, "embed_scale": 4.0, "layer_scale": 0.1}
+
+
+def _mtp_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The ``mtp.*`` tensors of one MTP layer (names of the released
+    Qwen3-Next checkpoints)."""
+    h = cfg["hidden_size"]
+    one = dict(cfg, layer_types=["full_attention"])      # layer 0: attention + MoE
+    shapes = {"mtp." + name[len("model."):]: shape
+              for name, shape in _param_shapes(one).items() if name.startswith("model.layers.0.")}
+    shapes.update({"mtp.fc.weight": (h, 2 * h), "mtp.norm.weight": (h,),
+                   "mtp.pre_fc_norm_embedding.weight": (h,),
+                   "mtp.pre_fc_norm_hidden.weight": (h,)})
+    return shapes
+
+
+def _mtp_tensors(config: dict[str, Any], seed: int, mtp: dict[str, Any], main: dict) -> dict:
+    """The MTP head (bfloat16), and the main embedding scaled in ``main``."""
+    import torch
+
+    emb = "model.embed_tokens.weight"
+    main[emb] = (main[emb].float() * mtp["embed_scale"]).to(torch.bfloat16).contiguous()
+    gen = torch.Generator().manual_seed(seed + 1)
+    h = config["hidden_size"]
+    out = {}
+    for name, shape in sorted(_mtp_shapes(config).items()):
+        if name == "mtp.fc.weight":           # [embedding | hidden] -> embedding
+            t = torch.cat([torch.eye(h), torch.zeros(h, h)], dim=1)
+        elif name.startswith("mtp.pre_fc_norm"):
+            t = torch.zeros(shape)             # plain RMSNorm (x * (1 + 0))
+        elif name == "mtp.norm.weight":
+            t = main["model.norm.weight"].float().clone()
+        else:
+            t = _init_tensor(name, shape, gen)
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                t = t * mtp["layer_scale"]     # the layer stays near identity
+        out[name] = t.to(torch.bfloat16).contiguous()
+    return out
+
+
+def build_tiny_qwen3_next_mtp(path: str | os.PathLike | None = None, *,
+                              mtp_head: dict[str, Any] | None = None,
+                              seed: int = SEED) -> Path:
+    """The MTP variant (see above), cached as
+    ``cache_root()/tiny-qwen3-next-mtp-<hash>``; ``mtp_head`` updates
+    ``MTP_HEAD``. Its config adds ``num_nextn_predict_layers = 1``."""
+    config = dict(TINY_CONFIG, num_nextn_predict_layers=1)
+    mtp = dict(MTP_HEAD)
+    mtp.update(mtp_head or {})
+    return _build(path, MTP_MODEL_NAME_PREFIX, config, seed, mtp)
 
 
 def words(ids) -> str:
