@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -36,6 +37,8 @@ import e2e_pressure as E  # noqa: E402
 STEP_TOKENS = 2048
 STATE_GROUPS = E.MAMBA_GROUPS
 POLICIES = ("plugin", "native")
+# what the planner models: also the plugin with its gate forced on or off
+MODELLED = (*POLICIES, "plugin-gated", "plugin-ungated")
 
 
 class _Request:
@@ -69,19 +72,32 @@ def planner_cached(policy: str, convs, num_pages: int, block: int, in_flight: in
     from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager, SharedPoolShape
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 
-    plugin = policy == "plugin"
+    plugin = policy.startswith("plugin")
     unit = min(64, block) if plugin else block
-    settings = load_settings(None, server_defaults())
+    # e2e_pressure exports ATOM_ADMISSION_GATE for its gated policies (and
+    # leaves it set): the gate is the policy's, else the server's default
+    settings = load_settings(None, server_defaults(), environ={
+        k: v for k, v in os.environ.items() if k != "ATOM_ADMISSION_GATE"})
+    gate = E._gate_setting(policy) or settings.server.admission_gate
     shape = SharedPoolShape(num_pages=num_pages, page_tokens=block, hash_unit=unit,
-                            pages_per_state=STATE_GROUPS, max_num_seqs=in_flight)
+                            pages_per_state=STATE_GROUPS, max_num_seqs=in_flight,
+                            step_tokens=STEP_TOKENS)
     mgr = SharedPoolManager(shape, settings.placement,
-                            floor_fractions=settings.server.floor_fractions, plugin=plugin)
+                            floor_fractions=settings.server.floor_fractions, plugin=plugin,
+                            admission_gate=gate)
     conversations = [_Conversation(c["id"], c["prompts"]) for c in convs]
     sim = SimSettings(concurrency=in_flight, prefill_chunk=STEP_TOKENS, block_size=unit,
                       max_model_len=1 << 40, lockstep=True, max_output=1)
     totals = simulate(conversations, TokenSource(), mgr,
                       lambda rid, n, hashes, tuples: Request(rid, n, hashes, tuples), sim)
     return totals.cached_tokens
+
+
+def checkpoints_worth(pages: int, block: int) -> int:
+    """The pool's size in checkpoints (`core.pool_budget`, as the plugin
+    sizes it: a checkpoint costs a page per state group)."""
+    from atom_hybrid_cache.core.pool_budget import pool_checkpoints
+    return pool_checkpoints((pages - 1) * block, STATE_GROUPS * block)
 
 
 def main(argv=None) -> int:
@@ -100,9 +116,16 @@ def main(argv=None) -> int:
                     help="run e2e_pressure's scheduler-only replay for the comparison")
     ap.add_argument("--scheduler-json", type=Path, default=None,
                     help="an e2e_pressure --scheduler-only --json of the same workload")
+    ap.add_argument("--run-model", default="", metavar="MULTIPLES",
+                    help="also the e2e run with the model (e2e_pressure without "
+                         "--scheduler-only) at these pool multiples, e.g. 1.0,0.83")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    model_at = {float(x) for x in args.run_model.split(",") if x}
     policies = [p for p in args.policies.split(",") if p]
+    for p in policies:
+        if p not in MODELLED:
+            ap.error(f"--policies: the planner models {', '.join(MODELLED)}, not {p!r}")
     block = E.GEOMETRIES[args.geometry]["block_size"]
     paths = (E.traces_fitting(args.traces_fitting, args.trace_dir)
              if args.traces_fitting is not None else E.resolve_trace_paths(args.traces,
@@ -126,20 +149,30 @@ def main(argv=None) -> int:
                 run = E.run_policy(policy, convs, w.rounds, pages, w.max_model_len,
                                    args.geometry, scheduler_only=True)
                 real = sum(run["cached"])
+            model = None
+            if m in model_at:
+                model = sum(E.run_policy(policy, convs, w.rounds, pages, w.max_model_len,
+                                         args.geometry)["cached"])
             row = dict(multiple=m, pages=pages, policy=policy, oracle=oracle,
+                       checkpoints=checkpoints_worth(pages, block),
                        planner_cached=planned, planner=round(planned / oracle, 4),
                        planner_s=round(t1 - t0, 2), scheduler_cached=real,
-                       scheduler=None if real is None else round(real / oracle, 4))
+                       scheduler=None if real is None else round(real / oracle, 4),
+                       model_cached=model,
+                       model=None if model is None else round(model / oracle, 4))
             rows.append(row)
             print(f"x{m:<5} {pages:5d} pages {policy:8s} planner {row['planner']:.4f} "
-                  f"({planned})  scheduler {row['scheduler']} ({real})", flush=True)
+                  f"({planned})  scheduler {row['scheduler']} ({real})  model {row['model']} "
+                  f"({model})", flush=True)
     print()
-    print("| pool / live set | pages | policy | planner | scheduler-only replay | difference |")
-    print("|---|---|---|---|---|---|")
+    print("| pool / live set | pages | checkpoints' worth | policy | planner | scheduler-only "
+          "replay | e2e (model) | difference |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         diff = "" if r["scheduler"] is None else f"{(r['planner'] - r['scheduler']) * 100:+.2f} pt"
-        print(f"| {r['multiple']}x | {r['pages']} | {r['policy']} | {r['planner']:.4f} | "
-              f"{r['scheduler'] if r['scheduler'] is not None else '-'} | {diff} |")
+        print(f"| {r['multiple']}x | {r['pages']} | {r['checkpoints']} | {r['policy']} | "
+              f"{r['planner']:.4f} | {r['scheduler'] if r['scheduler'] is not None else '-'} | "
+              f"{r['model'] if r['model'] is not None else '-'} | {diff} |")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Plan a deployment without a GPU: replay agentic traces through the
-# plugin as it runs in vLLM (one page pool) and vLLM's own caching
-# (emulated), for your model and memory, and plot the hit rate against the
+# plugin as it runs in vLLM (one page pool) and vLLM's own caching (the
+# same pool model in vLLM's align mode), for your model and memory, and plot the hit rate against the
 # memory.
 #
 #   examples/replay_plot.sh [TRACE_DIR] [OUT_DIR]

@@ -64,12 +64,14 @@ def test_sweep_writes_a_png(tmp_path):
 def test_embedded_sample_prints_the_plugins_default(tmp_path, capsys):
     """Issue 31: `default` is the plugin over vLLM's one page pool (2,925
     pages of 448 tokens at 80 GiB), and on the embedded sample it is above
-    vLLM's own caching; the separate-pools model stays below both."""
+    vLLM's own caching (`vllm-align`: the same model as native vLLM, whose
+    hashes are a page long; 409,920 with the older emulation); the
+    separate-pools model stays below both."""
     res = _run(tmp_path, "--policies", "default,separate-pools,vllm-align")
     prompt = res["default"]["prompt_tokens"]
     assert res["default"]["kv_blocks"] == res["vllm-align"]["kv_blocks"] == 2925
     assert round(res["default"]["hit_rate"] * prompt) == 412_928
-    assert round(res["vllm-align"]["hit_rate"] * prompt) == 409_920
+    assert round(res["vllm-align"]["hit_rate"] * prompt) == 400_064
     assert round(res["separate-pools"]["hit_rate"] * prompt) == 392_384
     assert res["default"]["hit_over_ceiling"] > res["vllm-align"]["hit_over_ceiling"]
 

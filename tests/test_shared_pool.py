@@ -64,10 +64,11 @@ def _serve(mgr, req, budget=1000):
     return adm.hit_tokens
 
 
-def _manager(num_pages, placement=SPAN_ONLY):
+def _manager(num_pages, placement=SPAN_ONLY, max_num_seqs=1, step_tokens=0, **kw):
     shape = SharedPoolShape(num_pages=num_pages, page_tokens=PAGE, hash_unit=UNIT,
-                            pages_per_state=1, max_num_seqs=1)
-    return SharedPoolManager(shape, placement)
+                            pages_per_state=1, max_num_seqs=max_num_seqs,
+                            step_tokens=step_tokens)
+    return SharedPoolManager(shape, placement, **kw)
 
 
 def test_release_in_units_order():
@@ -146,7 +147,9 @@ class _Source:
 
 def _order(lockstep):
     """The order requests are admitted in: a short conversation and a long
-    one, 2 turns each, 2 lanes, an 8-token step."""
+    one, 2 turns each, 2 lanes, a 16-token step (with 8, the long prompt's
+    chunks take every step and no page-aligned chunk is left for the short
+    one's next turn)."""
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
     mgr = _manager(64)
     admitted = []
@@ -168,7 +171,7 @@ def _order(lockstep):
     mgr.finish = record_finish
     convs = [_Conversation("short", [A[:9], A[:17]]), _Conversation("long", [C * 4, C * 5])]
     totals = simulate(convs, _Source(), mgr, lambda rid, n, h, t: Request(rid, n, h, t),
-                      SimSettings(concurrency=2, prefill_chunk=8, block_size=UNIT,
+                      SimSettings(concurrency=2, prefill_chunk=16, block_size=UNIT,
                                   lockstep=lockstep, max_output=1 if lockstep else None))
     return admitted, totals
 
@@ -183,3 +186,127 @@ def test_lockstep_rounds_wait_for_the_whole_round():
     assert rounds[:4] == [("short", 0), ("long", 0), ("done", "short", 0), ("done", "long", 0)]
     assert rounds[4:6] == [("short", 1), ("long", 1)]
     assert totals.decode_tokens == 0
+
+
+C40 = list(range(2000, 2040))           # a cold prompt: 5 pages of KV
+
+
+def test_no_whole_page_past_the_hit_no_admission():
+    """vLLM's align split cuts a chunk that ends mid-page back to the page
+    (unless a page is larger than a whole step): with 3 tokens of the step
+    left, B (hit 32) gets 0 tokens and is not admitted; its hit pages take
+    no reference, so the step's allocations may still evict them."""
+    mgr = _manager(11, step_tokens=16)
+    _serve(mgr, _request("a", A))
+    free = list(mgr.pool._free)
+    assert mgr.admit(_request("b", B), 3) is None
+    assert list(mgr.pool._free) == free and mgr.planner.plans.get("b") is None
+    assert mgr.admit(_request("b", B), 8).hit_tokens == 32
+
+
+def test_the_state_two_chunks_back_is_freed_before_the_room_is_counted():
+    """vLLM's remove_skipped_blocks runs before allocate_slots counts the
+    free pages. B (hit 32) runs 32-40 (KV 6, state 9 of the 11 pages: 1
+    left), then asks 40-41: a KV page and a state page. Only the hit
+    state, freed first, makes the second page: the chunk fits."""
+    mgr = _manager(11, step_tokens=8)
+    _serve(mgr, _request("a", A))
+    b = _request("b", B)
+    assert mgr.admit(b, 8).hit_tokens == 32
+    mgr.prefill_done(b, mgr.next_chunk(b, 8))
+    mgr.pool.allocate(mgr.pool.num_free - 1)     # others take all but one page
+    assert mgr.reserve_chunk(b, 1)
+    assert mgr.pool.num_free == 0 and mgr._held["b"].retired[-1][0] == 40
+
+
+def test_the_gate_holds_the_cold_prompt_and_pins_the_resume():
+    """After A (pages 1-8; free queue 7, 8, 9, 10, 11, then A's units: 6, 5,
+    4 at 32 and 3, 2, 1 at 16), C (40 cold tokens) and B (A's next turn)
+    wait, C first. B's hit at 32 has 5 evictable pages (state 6, KV 1, 2,
+    4, 5): room 11 - 5 = 6. C needs 5 KV + 2 state pages: held; B needs
+    6 - 4 KV + 2 = 4: goes. The pins come back after the step top first
+    (5, 4, 2, 1, 6), B's references keep them."""
+    mgr = _manager(12, max_num_seqs=2, step_tokens=16, admission_gate="on")
+    _serve(mgr, _request("a", A))
+    b, c = _request("b", B), _request("c", C40)
+    assert mgr.open_step([c, b], []) == [c]
+    assert mgr.window._decision.pinned == [5, 4, 2, 1, 6]
+    assert [mgr.pool.ref_cnt[p] for p in (1, 2, 4, 5, 6)] == [1] * 5
+    assert mgr.admit(b, 16).hit_tokens == 32
+    mgr.prefill_done(b, 9)
+    mgr.close_step(9)
+    assert [mgr.pool.ref_cnt[p] for p in (1, 2, 4, 5, 6)] == [1] * 5
+    assert mgr.stats.as_dict() and mgr.planner.stats.gate_held_steps == 1
+
+
+def _round_hits(gate):
+    """The lock-step round after A: C and B sent together (C first), 2 in
+    flight, a 16-token step: B's hit."""
+    from atom_hybrid_cache.replay.simulator import SimSettings, simulate
+    mgr = _manager(12, max_num_seqs=2, step_tokens=16, admission_gate=gate)
+    hits = {}
+    admit = mgr.admit
+
+    def record(req, budget=None):
+        adm = admit(req, budget)
+        if adm is not None:
+            hits.setdefault(req.request_id, adm.hit_tokens)
+        return adm
+
+    mgr.admit = record
+    convs = [_Conversation("c", [[3000, 3001, 3002, 3003, 3004], C40]),
+             _Conversation("ab", [A, B])]
+    simulate(convs, _Source(), mgr, lambda rid, n, h, t: Request(rid, n, h, t),
+             SimSettings(concurrency=2, prefill_chunk=16, block_size=UNIT, lockstep=True,
+                         max_output=1))
+    return hits[("ab", 1)], mgr.planner.stats.gate_held_steps
+
+
+def test_in_the_simulator_the_gate_keeps_the_resume():
+    """A 5-token X went beside A in the first round. Without the gate C's
+    chunks take A's units from the LRU head before B is reached: B resumes
+    on nothing. With it C waits out both steps of B's prefill (32-40, then
+    its last token) and B resumes at 32."""
+    assert _round_hits("off") == (0, 0)
+    assert _round_hits("on") == (32, 2)
+
+
+def test_a_waiting_request_holds_its_floor_and_gives_it_back_in_its_units():
+    """Floors need 100 checkpoints' worth (a 101-page pool). B (41 tokens)
+    in the window: tops 10 and 20; no state at or below 10, the state at
+    16 (page 3) under 20: B holds it (one page of the 101 // 16 = 6 the
+    floors may take). It goes back in B's release, in the unit at 16 below
+    the one at 32 (vLLM's prompt-end state), as vllm/release.py does."""
+    mgr = _manager(101, floor_fractions=(0.25, 0.5))
+    _serve(mgr, _request("a", A))
+    b = _request("b", B)
+    assert mgr.open_step([b], []) == []
+    floors = mgr.window.floors
+    assert floors.max_pages == 6 and floors.held == {"b": [(16, [3])]}
+    assert mgr.pool.ref_cnt[3] == 1 and mgr.planner.stats.floor_holds == 1
+    mgr.close_step(0)
+    assert mgr.admit(b, 1000).hit_tokens == 32
+    mgr.prefill_done(b, 9)
+    mgr.finish(b)
+    assert floors.held == {} and floors.held_pages == 0 and mgr.pool.ref_cnt[3] == 0
+    assert list(mgr.pool._free)[-3:] == [3, 2, 1]
+
+
+def test_an_overdue_request_beside_the_pins_waits_for_the_ungated_step():
+    """Nothing runs, a 64-token step; C (48 cold tokens: 6 + 2 pages for
+    the gate) was held as long as it may be, B (hit 32) fits. C goes first
+    and takes the room
+    (6 - 8): B is held and its 5 hit pages stay pinned, so C's 6 KV pages
+    and a state page do not fit the 6 free: vLLM schedules nothing, the
+    gate stalls, and the next step, ungated, admits C. (The simulator waits
+    for that step instead of dropping C as larger than the pool.)"""
+    mgr = _manager(12, max_num_seqs=2, step_tokens=64, admission_gate="on")
+    _serve(mgr, _request("a", A))
+    mgr.window.max_hold_steps = 1
+    mgr.window.gate._holds = {"c": 1}
+    b, c = _request("b", B), _request("c", list(range(2000, 2048)))
+    assert mgr.open_step([c, b], []) == [b]
+    assert mgr.admit(c, 64) is None and mgr.step_gated()
+    mgr.close_step(0)
+    assert mgr.open_step([b, c], []) == [] and not mgr.step_gated()
+    assert mgr.admit(c, 64) is not None

@@ -53,6 +53,9 @@ COUNTERS = {
                         "(ATOM_INTERIOR_CHECKPOINTS=on)."),
     "floor_holds": ("vllm:atom_floor_state_holds",
                     "Requests that held floor states under their prefix."),
+    "partial_tails_dropped": ("vllm:atom_partial_tail_states_dropped",
+                              "Prompt-end states inside a page given back uncached at "
+                              "release: not worth their pages at the KV cut rate."),
 }
 # CacheStats dict field -> (Prometheus name, help, label): counts per kind
 KIND_COUNTERS = {

@@ -110,6 +110,21 @@ class PagePool:
             keys.append(key)
         return True
 
+    def unindex(self, page: int, key: Optional[int] = None) -> None:
+        """Take `page` out of the index under `key` (every key: None), as
+        vLLM's `BlockPool.evict_blocks` does; not an eviction."""
+        keys = self.page_keys[page]
+        if keys is None:
+            return
+        if key is None or keys == [key]:
+            self._drop_keys(page, evicted=False)
+        elif key in keys:
+            keys.remove(key)
+            pages = self.index[key]
+            del pages[page]
+            if not pages:
+                del self.index[key]
+
     def is_indexed(self, page: int) -> bool:
         return self.page_keys[page] is not None
 

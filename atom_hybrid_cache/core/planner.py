@@ -26,6 +26,7 @@ from .oracle import PrefixOracle
 from .placement import CheckpointTargets, chunk_end
 from .policy import CheckpointPolicy
 from .stats import CacheStats, format_shared_pool_lines
+from .tail_price import KVCutRate, keeps_partial_tail
 
 logger = logging.getLogger("atom_hybrid_cache")
 
@@ -112,6 +113,7 @@ class CheckpointPlanner:
         # more lines for the stats report (a store connector's)
         self.extra_lines: list = []
         self.oracle = PrefixOracle(SEEN_HASH_LIMIT)
+        self.kv_cuts = KVCutRate()
 
     # -- admission -----------------------------------------------------
     def plan(self, request_id: str, prompt_len: int, block_hashes: Sequence, *,
@@ -158,6 +160,7 @@ class CheckpointPlanner:
         if plan is None or plan.admitted:
             return
         plan.admitted = True
+        self.kv_cuts.record(plan.reusable, plan.kv_reach)
         hit = min(num_cached_tokens, plan.kv_reach)
         s = self.stats
         s.record_admission(plan.prompt_len, plan.reusable, plan.kv_reach, plan.kv_reach, hit)
@@ -167,6 +170,19 @@ class CheckpointPlanner:
                 self._log(line)
 
     # -- release -------------------------------------------------------
+    def keeps_prompt_end(self, position: int) -> bool:
+        """Whether the prompt-end state at `position`, inside a page, is
+        worth keeping past its request (`tail_price`); a state on a page
+        boundary always is."""
+        B = self.block_size
+        gain = position % B
+        if not gain:
+            return True
+        keep = keeps_partial_tail(gain, self.policy.checkpoint_kv_tokens, B, self.kv_cuts.rate)
+        if not keep:
+            self.stats.partial_tails_dropped += 1
+        return keep
+
     def finished(self, request_id: str, block_hashes: Iterable, kept_states: Iterable[int]) -> None:
         """A request gave its pages back; `kept_states` are the positions of
         the states it wrote that are still indexed (one state group's)."""

@@ -27,10 +27,14 @@ What the plugin does in vLLM, and this model with it:
   page per group, taking the first chunk's pages; later chunks take theirs
   (`reserve_chunk`), and the simulator preempts where they do not fit.
 
-Left out (see BENCHMARKS.md, "The planner against vLLM's scheduler"): the
-floor states and the admission gate (both off below 100 checkpoints' worth),
-`cached_blocks_this_step`, speculative decoding, more than one attention
-group.
+- the floor states and the admission gate, where the plugin runs them
+  (`shared_pool_window.py`: the adapter's decisions, from the same core
+  code), and vLLM's `remove_skipped_blocks` (a prefill's state two chunk
+  ends back is freed before the room for its next chunk is counted).
+
+Left out (see BENCHMARKS.md, "The planner against vLLM's scheduler"):
+hits-first admission order, `cached_blocks_this_step`, speculative
+decoding, more than one attention group.
 
 The interface is `manager.HybridCacheManager`'s, so `replay.simulator`
 drives either.
@@ -43,11 +47,13 @@ from typing import Optional, Sequence
 
 from ..config import PlacementConfig
 from .eviction import FreedState, KVPages, freed_units, refreshed_positions
+from .gate_steps import gate_on
 from .kinds import CheckpointKind
 from .manager import Admission
 from .oracle import PrefixOracle
 from .page_pool import PagePool
 from .planner import CheckpointPlanner
+from .shared_pool_window import SharedPoolWindow
 from .policy import CheckpointPolicy
 from .stats import CacheStats
 
@@ -71,6 +77,10 @@ class SharedPoolShape:
     pages_per_state: int
     max_num_seqs: int
     successor_room: int = 1
+    # vLLM's max_num_batched_tokens (0: at least a page): a chunk that
+    # cannot end on a page boundary runs sub-page only where a page is
+    # larger than a whole step, not where this step's budget is short
+    step_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.page_tokens % self.hash_unit:
@@ -104,12 +114,18 @@ class _Held:
     running_pos: Optional[int] = None   # the kept position they hold, if any
     retired: list = field(default_factory=list)
     anchor: Optional[tuple] = None  # (position, pages): the prompt-end copy it holds
+    # the block-table column of retired[-1] while vLLM still frees it
+    # (its `last_state_block_idx`); None once freed or overwritten
+    last_col: Optional[int] = None
 
 
 class SharedPoolManager:
     def __init__(self, shape: SharedPoolShape, placement: PlacementConfig, *,
                  floor_fractions: tuple = (), plugin: bool = True,
-                 oracle_limit: int = 1 << 62) -> None:
+                 admission_gate: str = "off", oracle_limit: int = 1 << 62) -> None:
+        """`floor_fractions` and `admission_gate` (its ATOM_ADMISSION_GATE
+        mode): the server's, as the plugin gets them; the policy drops the
+        floors and `auto` the gate where the pool cannot afford them."""
         self.shape = shape
         self.plugin = plugin
         self.block_size = shape.hash_unit     # the simulator's hash unit
@@ -130,6 +146,19 @@ class SharedPoolManager:
         self.evicted_states = 0
         self.dropped = 0
         self._live_states: set = set()   # first group's keys of the kept states
+        # the floors and the admission gate, where the plugin runs them
+        # (vllm/scheduler_setup.py: floors with the reuse-aware release)
+        self.window: Optional[SharedPoolWindow] = None
+        if plugin:
+            floors = self.policy.floor_fractions if self.policy.reuse_aware else ()
+            gate = gate_on(admission_gate, self.policy.pool_kv_tokens,
+                           self.policy.checkpoint_kv_tokens)
+            if gate and not shape.step_tokens:
+                raise ValueError("the admission gate's model needs the step's tokens "
+                                 "(SharedPoolShape.step_tokens)")
+            if gate or floors:
+                self.window = SharedPoolWindow(self, gate=gate, floor_fractions=floors)
+            self.planner.gate_on = gate
 
     # -- keys ------------------------------------------------------------
     def _state_keys(self, h: int) -> list:
@@ -155,6 +184,44 @@ class SharedPoolManager:
                 return None
             pages.append(p)
         return pages
+
+    # -- the step's admission window ------------------------------------
+    def open_step(self, waiting: Sequence, running: Sequence) -> list:
+        """Before a step (`waiting`, `running`: the requests, in vLLM's
+        order): the floors and the gate's pins; the waiting requests the
+        gate holds out of this step."""
+        return self.window.open(waiting, running) if self.window is not None else []
+
+    def close_step(self, scheduled_tokens: int) -> None:
+        if self.window is not None:
+            self.window.close(scheduled_tokens)
+
+    def step_gated(self) -> bool:
+        """Whether the gate pinned or held anything this step: an admission
+        that fails with nothing running then waits for the next step, which
+        runs ungated (a stalled gate), instead of being over the pool."""
+        return self.window is not None and self.window.gated()
+
+    def abandon(self, req) -> None:
+        """A waiting request the replay gives up on (larger than the pool):
+        the floors it holds go back."""
+        if self.window is not None:
+            for _, pages in self.window.release_floors(req.request_id):
+                self.pool.free(pages)
+
+    def lookup(self, req) -> tuple[int, list, Optional[list]]:
+        """vLLM's prefix lookup of a waiting request: (hit tokens, the KV
+        pages under the hit, every state group's page at it)."""
+        P = self.page
+        hashes = req.block_hashes
+        full, reach, partial_page = self._kv_prefix(hashes, req.num_tokens - 1)
+        hit, hit_state = self._state_hit(hashes, reach)
+        src = (full + ([partial_page] if partial_page is not None else []))[:-(-hit // P)]
+        return hit, src if hit else [], hit_state
+
+    def held_kv_pages(self, request_id) -> int:
+        """The pages of a running request's attention block table."""
+        return len(self._held[request_id].kv)
 
     # -- admission -------------------------------------------------------
     def _kv_prefix(self, hashes: Sequence, limit: int) -> tuple[list, int, Optional[int]]:
@@ -201,6 +268,13 @@ class SharedPoolManager:
         keep = self._kept_positions(req.request_id, L, hashes, hit, junction,
                                     full_reach=max(hit, len(full) * P))
         first_end = hit + self._chunk(hit, L, L if budget is None else budget, keep)
+        if first_end == hit:
+            # the step's budget left no whole page past the hit: vLLM stops
+            # admitting this step (its align split gives 0 tokens) and takes
+            # no reference, so the next step's allocations may evict the hit
+            if self.planner is not None:
+                self.planner.plans.pop(req.request_id)
+            return None
         # KV pages past the hit's whole pages (a mid-page hit's page is
         # copied); a state page per group: the chunk's end column, or the
         # copy of a mid-page hit, whose column it ends in. vLLM admits only
@@ -226,6 +300,7 @@ class SharedPoolManager:
             pool.free([src[-1]] + hit_state)
         elif hit_state:
             held.retired.append((hit, hit_state))
+            held.last_col = hit // P - 1
         self._held[req.request_id] = held
         req.hit_tokens = hit
         req.num_computed = hit
@@ -266,7 +341,7 @@ class SharedPoolManager:
         end = min(L, start + budget)
         if end < L:
             aligned = end // P * P
-            if aligned > start or P <= budget:
+            if aligned > start or not self.shape.step_tokens or P <= self.shape.step_tokens:
                 end = aligned
         stops = [p for p in keep if start < p < end]
         if start % P and (start // P + 1) * P < end:
@@ -284,23 +359,36 @@ class SharedPoolManager:
     def reserve_chunk(self, req, n: int) -> bool:
         """Take the pages of the next `n` prompt tokens (after the first
         chunk, which `admit` took); False when the pool has no room."""
+        if n <= 0:
+            return True    # vLLM passes over a request with no tokens this step
         P = self.page
         held = self._held[req.request_id]
         start = req.num_computed
         end = start + n
+        self._free_passed_state(held, start)
         new_kv = max(0, -(-end // P) - len(held.kv))
         new_column = -(-end // P) > -(-start // P)
         if new_kv + (self.pps if new_column else 0) > self.pool.num_free:
             return False
         pool = self.pool
+        if new_column:
+            # the running column becomes vLLM's last state column; one it
+            # had not freed yet stays in the block table to the release
+            held.retired.append((held.running_pos, held.running))
+            held.last_col = len(held.kv) - 1
         held.kv.extend(pool.allocate(new_kv))
         if new_column:
-            held.retired.append((held.running_pos, held.running))
             held.running, held.running_pos = pool.allocate(self.pps), None
-            # the state two chunk ends back leaves the block table
-            while len(held.retired) > 1:
-                pool.free(held.retired.pop(0)[1])
         return True
+
+    def _free_passed_state(self, held: _Held, computed: int) -> None:
+        """vLLM's `remove_skipped_blocks`, which every allocation of a running
+        request runs before it counts the free pages (so a request short of
+        room has already given it back): the last state column leaves the
+        block table once the computed tokens are past the column after it."""
+        if held.last_col is not None and held.last_col < -(-computed // self.page) - 1:
+            self.pool.free(held.retired.pop()[1])
+            held.last_col = None
 
     def prefill_done(self, req, n: int) -> None:
         if n <= 0:
@@ -347,6 +435,12 @@ class SharedPoolManager:
     def append_tokens(self, req, n: int) -> bool:
         P = self.page
         held = self._held[req.request_id]
+        U = self.block_size
+        prompt_end = (req.prompt_len - self.shape.successor_room) // U * U
+        if not (self.plugin and held.retired and held.retired[-1][0] == prompt_end):
+            # (the plugin holds the prompt-end state to the release:
+            # vllm/anchor_holds.py)
+            self._free_passed_state(held, req.num_computed)
         new = req.num_tokens + n
         need = -(-new // P) - len(held.kv)
         if need > 0:
@@ -376,6 +470,16 @@ class SharedPoolManager:
             pool.free(reversed(held.kv))
             req.blocks = []
             return
+        if (held.anchor is not None and held.anchor[0] % self.page
+                and not self.planner.keeps_prompt_end(held.anchor[0])):
+            # not worth its pages (core/tail_price.py): the copy and the
+            # partial KV entry go back uncached, the page state below stays
+            pos, pages = held.anchor
+            for p in pages:
+                pool.unindex(p)
+            pool.unindex(held.kv[pos // self.page],
+                         hashes[pos // self.block_size - 1] ^ _PARTIAL_SALT)
+            columns[-1] = (None, pages)
         states: list = []
         taken: set = set()
         for pos, pages in columns:
@@ -384,7 +488,18 @@ class SharedPoolManager:
             taken.update(pages)
         wanted = refreshed_positions(held.hit, req.num_computed,
                                      self.policy.placement.retain_fractions)
-        for pos, pages in self._highest_at_or_below(hashes, wanted):
+        if self.window is not None:
+            # floors held since the request entered the admission window go
+            # back in its units (vllm/release.py); one in its own block
+            # table only loses the floor's reference
+            for pos, pages in self.window.release_floors(req.request_id):
+                for g, p in enumerate(pages):
+                    if p in taken:
+                        pool.free([p])
+                    else:
+                        taken.add(p)
+                        states.append(FreedState(p, pos, True, g))
+        for pos, pages in self.highest_states_at_or_below(hashes, wanted):
             new = [(g, p) for g, p in enumerate(pages) if p not in taken]
             pool.touch([p for _, p in new])
             for g, p in new:
@@ -396,13 +511,14 @@ class SharedPoolManager:
                               [pos for pos, _ in columns if pos is not None])
         req.blocks = []
 
-    def _highest_at_or_below(self, hashes: Sequence, tops) -> list:
+    def highest_states_at_or_below(self, hashes: Sequence, tops,
+                                   max_pages: int = SEARCH_PAGES) -> list:
         """vllm/state_search.StateSearch.highest_at_or_below over this pool."""
         U, P = self.block_size, self.page
         found = {}
         for top in sorted({t // U * U for t in tops if t >= U}, reverse=True):
             pos = top
-            lowest = top - SEARCH_PAGES * P
+            lowest = top - max_pages * P
             while pos > 0 and pos >= lowest:
                 if pos in found:
                     break

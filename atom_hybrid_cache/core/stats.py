@@ -53,6 +53,10 @@ class CacheStats:
     # their kind in written_by_kind), and requests that held floor states
     interior_writes: int = 0
     floor_holds: int = 0
+    # prompt-end states inside a page given back uncached at their
+    # request's release: not worth their pages at the KV cut rate then
+    # (core/tail_price.py)
+    partial_tails_dropped: int = 0
     # vLLM's admission gate (vllm/admission_gate.py): the steps in which it
     # held a waiting request back, the requests held summed over those
     # steps, and the most steps one request was held
@@ -146,6 +150,7 @@ class CacheStats:
             resumed=self.resumed, resumed_by_kind=dict(self.resumed_by_kind),
             cuts_by_kind=dict(self.cuts_by_kind), written_by_kind=dict(self.written_by_kind),
             interior_writes=self.interior_writes, floor_holds=self.floor_holds,
+            partial_tails_dropped=self.partial_tails_dropped,
             computed_prefill_tokens=self.computed_prefill_tokens,
         )
 
@@ -168,7 +173,7 @@ def format_kinds_line(s: CacheStats) -> str:
     """Checkpoints written by kind, every kind named (0 where none)."""
     written = " ".join(f"{k}={s.written_by_kind.get(k.value, 0)}" for k in WRITTEN_KINDS)
     return (f"[Checkpoint Kinds] {written} interior={s.interior_writes} "
-            f"floor_holds={s.floor_holds}")
+            f"floor_holds={s.floor_holds} partial_tails_dropped={s.partial_tails_dropped}")
 
 
 def format_stats_lines(stats: CacheStats, fates: dict, num_slots: int,

@@ -71,7 +71,8 @@ def load_cc_trace(path: PathLike) -> list[Conversation]:
             typ = item.get("type", "n")
             if typ not in ("n", "s"):
                 raise ValueError(f"{where}: unknown request type {typ!r} (expected 'n', 's' or 'subagent')")
-            reqs.append(TraceRequest(conv_id, r, prompt_len, out_len, ids, t, typ == "s"))
+            think = max(0.0, number(item.get("think_time", 0), where, "think_time"))
+            reqs.append(TraceRequest(conv_id, r, prompt_len, out_len, ids, t, typ == "s", think))
         if reqs:
             out.append(Conversation(conv_id, reqs, src, space, bs, parent_id, parent_index))
         for nested, nprefix, n_before in subs:

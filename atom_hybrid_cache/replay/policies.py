@@ -14,8 +14,10 @@
 - kv-only-ceiling: a free state at every block boundary with the default's
   separate-pools KV pool (same blocks, same KV eviction order): the ceiling, so
   hit/ceiling measures placement and state eviction alone;
-- vllm-align: an emulation of vLLM 0.32's own hybrid caching
-  (align_emulation.py).
+- vllm-align: vLLM 0.32's own hybrid caching ("align" mode, its default
+  hash unit of one page): the same shared-pool model with `plugin=False`,
+  checked against vLLM's scheduler (BENCHMARKS.md, "The planner against
+  vLLM's scheduler").
 """
 
 from __future__ import annotations
@@ -33,14 +35,17 @@ POLICY_NAMES = ("default", "separate-pools", "kv-only-ceiling", "no-state-cache"
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
-    cache: Optional[ReplayPoolConfig]  # None for the emulation and the shared pool
-    page_tokens: int = 0  # shared pool and emulation
-    num_pages: int = 0    # shared pool and emulation
-    pages_per_state: int = 1  # shared pool and emulation
+    cache: Optional[ReplayPoolConfig]  # None for the shared pool
+    page_tokens: int = 0  # shared pool
+    num_pages: int = 0    # shared pool
+    pages_per_state: int = 1  # shared pool
     # the plugin over one page pool (core/shared_pool_manager.py): its
-    # placement settings and floor fractions (the vLLM server's)
+    # placement settings, floor fractions and admission gate mode (the vLLM
+    # server's); `plugin=False`: vLLM's own align mode over the same pool
     shared_pool: Optional[PlacementConfig] = None
     floor_fractions: tuple = ()
+    admission_gate: str = "off"
+    plugin: bool = True
 
 
 def parse_policy_names(text: str) -> list[str]:
@@ -59,12 +64,12 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                    budget_bytes: int, block_size: int, max_num_seqs: int, num_spec: int,
                    headroom_slots: int, base_placement: PlacementConfig,
                    align_layout=None, server_placement: Optional[PlacementConfig] = None,
-                   floor_fractions: tuple = ()) -> list[PolicySpec]:
+                   floor_fractions: tuple = (), admission_gate: str = "off") -> list[PolicySpec]:
     """`align_layout`: geometry.SharedPoolLayout of vLLM's pool, for the
-    shared-pool policy and the vllm-align emulation (computed with
-    page_tokens_multiple=block_size); `server_placement` and
-    `floor_fractions`: the vLLM server's settings, which `default` runs
-    (None: `base_placement`)."""
+    shared-pool policies, `default` and `vllm-align` (computed with
+    page_tokens_multiple=block_size); `server_placement`,
+    `floor_fractions` and `admission_gate`: the vLLM server's settings,
+    which `default` runs (None: `base_placement`)."""
 
     def shared_layout(name: str):
         if align_layout is None:
@@ -98,7 +103,8 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                                     num_pages=lay.num_pages,
                                     pages_per_state=lay.pages_per_state_slot,
                                     shared_pool=server_placement or base_placement,
-                                    floor_fractions=floor_fractions))
+                                    floor_fractions=floor_fractions,
+                                    admission_gate=admission_gate))
         elif name == "separate-pools":
             specs.append(PolicySpec(name, default))
         elif name == "kv-only-ceiling":
@@ -117,7 +123,9 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
         elif name == "vllm-align":
             lay = shared_layout(name)
             specs.append(PolicySpec(name, None, page_tokens=lay.block_size_tokens,
-                                    num_pages=lay.num_pages, pages_per_state=lay.pages_per_state_slot))
+                                    num_pages=lay.num_pages,
+                                    pages_per_state=lay.pages_per_state_slot,
+                                    shared_pool=base_placement, plugin=False))
         else:
             raise ValueError(f"unknown policy {name!r}")
     return specs

@@ -11,9 +11,9 @@ from typing import Optional
 from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, load_settings, server_defaults
 from ..core.manager import HybridCacheManager, Request
 from ..core.shared_pool_manager import SharedPoolManager, SharedPoolShape
-from .align_emulation import AlignEmulationManager
 from .policies import PolicySpec, build_policies, parse_policy_names
 from .report import PolicyResult, format_table, plot_sweep, write_json
+from .client_clock import DECODE_S_PER_STEP, MAX_THINK_S, PREFILL_S_PER_TOKEN, ClientClock
 from .simulator import SimSettings, SimTotals, simulate
 
 GIB = 1 << 30
@@ -37,20 +37,15 @@ _WORKLOAD: Optional[Workload] = None  # shared with forked workers
 def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, SimTotals, dict]:
     s = workload.settings
     if spec.shared_pool is not None:
+        if not spec.plugin:
+            # vLLM's own prefix hashes are one page long
+            s = dataclasses.replace(s, block_size=spec.page_tokens)
         shape = SharedPoolShape(num_pages=spec.num_pages, page_tokens=spec.page_tokens,
                                 hash_unit=s.block_size, pages_per_state=spec.pages_per_state,
-                                max_num_seqs=s.concurrency)
-        mgr = SharedPoolManager(shape, spec.shared_pool, floor_fractions=spec.floor_fractions)
+                                max_num_seqs=s.concurrency, step_tokens=s.prefill_chunk)
+        mgr = SharedPoolManager(shape, spec.shared_pool, floor_fractions=spec.floor_fractions,
+                                plugin=spec.plugin, admission_gate=spec.admission_gate)
         totals = simulate(workload.conversations, workload.source, mgr, _make_request, s, progress)
-        extra = dict(fates=mgr.fates(), writes=mgr.writes, kv_blocks=spec.num_pages,
-                     state_slots=0, page_tokens=spec.page_tokens,
-                     pages_per_state=spec.pages_per_state, stats=mgr.stats.as_dict())
-        return spec.name, totals, extra
-    if spec.cache is None:
-        mgr = AlignEmulationManager(spec.num_pages, spec.page_tokens, s.block_size, s.concurrency,
-                                    spec.pages_per_state)
-        make = _make_request
-        totals = simulate(workload.conversations, workload.source, mgr, make, s, progress)
         extra = dict(fates=mgr.fates(), writes=mgr.writes, kv_blocks=spec.num_pages,
                      state_slots=0, page_tokens=spec.page_tokens,
                      pages_per_state=spec.pages_per_state, stats=mgr.stats.as_dict())
@@ -129,6 +124,7 @@ def to_results(runs, settings: SimSettings) -> list[PolicyResult]:
             elapsed_s=t.elapsed_s,
             extra=dict(resume_kinds=kinds, preemptions=t.preemptions,
                        over_pool_requests=t.over_pool_requests, steps=t.steps,
+                       client_s=round(t.client_s, 1),
                        **{k: v for k, v in e.items() if k not in ("fates", "writes", "kv_blocks", "state_slots")}),
         ))
     return results
@@ -153,9 +149,15 @@ def load_workload(args) -> tuple[Workload, object]:
     # sharing prefixes, no resume pattern) is there to be named explicitly.
     paths = list(args.traces) or [p for p in default_sample_paths() if p.endswith(".json")]
     conversations = load_traces(paths)
+    clock = ClientClock(time_scale=getattr(args, "time_scale", 0.0),
+                        max_think_s=getattr(args, "think_cap_s", MAX_THINK_S),
+                        prefill_s_per_token=1 / getattr(args, "prefill_tokens_per_s",
+                                                        1 / PREFILL_S_PER_TOKEN),
+                        decode_s_per_step=getattr(args, "decode_step_ms",
+                                                  DECODE_S_PER_STEP * 1e3) / 1e3)
     settings = SimSettings(concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
                            block_size=args.block_size, max_model_len=geometry.max_model_len,
-                           max_requests=args.max_requests)
+                           max_requests=args.max_requests, clock=clock)
     return Workload(conversations, TokenExpander(), settings), geometry
 
 
@@ -181,7 +183,8 @@ def server_policy(placement: PlacementConfig) -> dict:
     server = load_settings(None, server_defaults())
     return dict(server_placement=dataclasses.replace(
                     server.placement, interval_tokens=placement.interval_tokens),
-                floor_fractions=server.server.floor_fractions)
+                floor_fractions=server.server.floor_fractions,
+                admission_gate=server.server.admission_gate)
 
 
 def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[str],
@@ -226,10 +229,13 @@ def run_replay(args) -> int:
     title = (f"replay: {len(workload.conversations)} conversations, model {geometry.name}{spec}, "
              f"{args.memory_gib:g} GiB, concurrency {args.concurrency}, block {args.block_size}")
     print(format_table(results, title))
+    print(f"client: {workload.settings.clock.describe()}")
     meta = dict(model=geometry.name, num_spec=args.num_spec, replayssm=args.replayssm,
                 memory_gib=args.memory_gib, concurrency=args.concurrency,
                 block_size=args.block_size, prefill_chunk=args.prefill_chunk,
                 traces=list(args.traces) or "embedded sample",
+                time_scale=workload.settings.clock.time_scale,
+                client=workload.settings.clock.describe(),
                 state_slot_tokens_equiv=geometry.state_slot_bytes / geometry.kv_bytes_per_token)
     if args.sweep_slots:
         points: dict = {}

@@ -3,7 +3,13 @@
 The model is vLLM's scheduler reduced to what moves cache contents:
 - `concurrency` conversations are in flight; each sends its requests one
   after another (the next turn is ready when the previous one finished) and
-  a lane that finishes a conversation starts the next one;
+  a lane that finishes a conversation starts the next one; with a paced
+  client clock (`client_clock.ClientClock`, time scale > 0) a turn is sent
+  its think time after the previous one finished, steps take time, and a
+  sub-agent runs on a lane of its own while its parent's lane waits;
+- a manager with `open_step` (the plugin's model) acts on vLLM's admission
+  window before each step: the requests its admission gate holds sit that
+  step out, in front of the queue;
 - every step has a token budget (`prefill_chunk`): running decodes take one
   token each, then running prefills take chunks (cut where the manager says),
   then waiting requests are admitted first come first served while memory
@@ -22,12 +28,14 @@ KV pool.
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 from ..core.hashing import ROOT_PARENT, hash_block
+from .client_clock import ClientClock
 
 
 class BlockSource(Protocol):
@@ -47,6 +55,9 @@ class SimSettings:
     lockstep: bool = False
     # decode at most this many tokens per request (None: the trace's)
     max_output: Optional[int] = None
+    # when the client sends each turn and what a step costs (None or time
+    # scale 0: saturated, every turn ready at its predecessor's completion)
+    clock: Optional[ClientClock] = None
 
 
 @dataclass
@@ -72,6 +83,8 @@ class SimTotals:
     over_pool_requests: int = 0
     over_pool_tokens: int = 0
     elapsed_s: float = 0.0
+    # the simulated time the client clock reached (0: saturated)
+    client_s: float = 0.0
 
 
 LADDER_PROBE = 8192
@@ -135,16 +148,59 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
     running: list = []
     uid = 0
     budget_requests = settings.max_requests
+    clock = settings.clock
+    paced = clock is not None and not clock.saturated
+    if paced and settings.lockstep:
+        raise ValueError("a paced client clock and lock-step rounds exclude each other")
+    now = 0.0
+    # paced: requests the client sends later, (ready time, uid, _Live)
+    arrivals: list = []
+    # paced: a sub-agent starts on a lane of its own when its parent reaches
+    # the request that waits for it, and the parent's lane waits for it
+    children: dict = {}     # (parent id, parent's request index) -> [conversation]
+    parent_lane: dict = {}  # sub-agent lane -> its parent's lane
+    blocked: dict = {}      # parent lane -> sub-agent lanes still running
+    if paced:
+        for conv in conversations:
+            if getattr(conv, "parent_id", None) is not None:
+                children.setdefault((conv.parent_id, conv.parent_index), []).append(conv)
+        pending = deque(c for c in conversations if getattr(c, "parent_id", None) is None)
+
+    def start_children(lane: int) -> bool:
+        """Paced: start the sub-agents the lane's next request waits for;
+        whether there were any."""
+        cur = lanes[lane]
+        kids = children.pop((cur[0].conversation_id, cur[1]), None) if cur else None
+        if not kids:
+            return False
+        blocked[lane] = len(kids)
+        for kid in kids:
+            lanes.append([kid, 0, None])
+            parent_lane[len(lanes) - 1] = lane
+            next_request(len(lanes) - 1)
+        return True
 
     def next_request(lane: int) -> None:
         """Queue the lane's next servable request, moving to the next
         conversation when this one is done."""
         nonlocal uid, budget_requests
         while True:
+            if paced and start_children(lane):
+                return
             cur = lanes[lane]
             if cur is None or cur[1] >= len(cur[0].requests):
                 if cur is not None:
                     hasher.forget(cur[0])
+                if lane in parent_lane:
+                    # a sub-agent's lane ends with it; its parent goes on
+                    # once all of its sub-agents are done
+                    lanes[lane] = None
+                    parent = parent_lane.pop(lane)
+                    blocked[parent] -= 1
+                    if not blocked[parent]:
+                        del blocked[parent]
+                        next_request(parent)
+                    return
                 if not pending or (budget_requests is not None and budget_requests <= 0):
                     lanes[lane] = None
                     return
@@ -167,7 +223,12 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             cur[2] = prompt_len
             out = tr.output_len if settings.max_output is None else min(tr.output_len,
                                                                          settings.max_output)
-            waiting.append(_Live(core, lane, max(1, out), uid, prev_len))
+            live = _Live(core, lane, max(1, out), uid, prev_len)
+            ready = now + clock.delay_s(getattr(tr, "think_s", 0.0)) if paced and i else now
+            if ready > now:
+                heapq.heappush(arrivals, (ready, uid, live))
+            else:
+                waiting.append(live)
             return
 
     for lane in range(settings.concurrency):
@@ -205,13 +266,34 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
     # a manager that takes a prefill's pages chunk by chunk (vLLM's way):
     # admission takes the first chunk's, `reserve_chunk` each later one's
     by_chunk = getattr(manager, "allocates_by_chunk", False)
+    # a manager that acts on vLLM's admission window before each step (the
+    # plugin's floors and admission gate): it may hold waiting requests out
+    # of the step, which then wait in front of the queue
+    open_step = getattr(manager, "open_step", None)
 
     def next_round() -> None:
         for lane in range(settings.concurrency):
             next_request(lane)
 
-    while waiting or running:
+    while waiting or running or arrivals:
+        if paced:
+            while arrivals and arrivals[0][0] <= now:
+                waiting.append(heapq.heappop(arrivals)[2])
+            if not waiting and not running:
+                now = arrivals[0][0]     # the server idles until the next turn
+                continue
         totals.steps += 1
+        prefill_tokens = 0
+        held_out: list = []
+        if open_step is not None:
+            held_ids = {id(c) for c in open_step([w.core for w in waiting],
+                                                 [r.core for r in running])}
+            if held_ids:
+                held_out = [w for w in waiting if id(w.core) in held_ids]
+                rest = [w for w in waiting if id(w.core) not in held_ids]
+                waiting.clear()
+                waiting.extend(rest)
+        scheduled = 0
         budget = settings.prefill_chunk
         decoding = [r for r in running if r.core.num_computed >= r.core.prompt_len]
         budget -= len(decoding)
@@ -237,15 +319,21 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             manager.prefill_done(r.core, n)
             totals.prefill_tokens_computed += n
             budget -= n
+            scheduled += n
+            prefill_tokens += n
             worked = True
         while (waiting and budget > 0 and len(running) < settings.concurrency
                and not (by_chunk and preempted)):
             live = waiting[0]
             adm = manager.admit(live.core, budget) if by_chunk else manager.admit(live.core)
             if adm is None:
-                if not running:
-                    # Larger than the whole pool: it can never run.
+                if not running and not (open_step is not None and manager.step_gated()):
+                    # Larger than the whole pool: it can never run. (Beside
+                    # the gate's pins it waits for the next step, ungated.)
                     waiting.popleft()
+                    abandon = getattr(manager, "abandon", None)
+                    if abandon is not None:
+                        abandon(live.core)
                     totals.over_pool_requests += 1
                     totals.over_pool_tokens += live.core.prompt_len
                     if not settings.lockstep:
@@ -276,12 +364,17 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             manager.prefill_done(live.core, n)
             totals.prefill_tokens_computed += n
             budget -= n
+            scheduled += n
+            prefill_tokens += n
         # decodes of this step; a prefill that completed this step produced
         # its first output token already.
-        if not worked and decoding and len(decoding) == len(running):
+        if not worked and decoding and len(decoding) == len(running) and not held_out:
             # only decodes run and nothing can be admitted: jump ahead
             k = min(r.output_len - 1 - r.decoded for r in decoding)
             k = max(1, k)
+            if paced and arrivals and clock.decode_s_per_step:
+                # not past the client's next turn
+                k = max(1, min(k, int((arrivals[0][0] - now) / clock.decode_s_per_step)))
             totals.steps += k - 1
         else:
             k = 1
@@ -298,6 +391,18 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
                     continue
                 r.decoded += n
                 totals.decode_tokens += n
+                scheduled += 1
+        if paced:
+            now += clock.step_s(prefill_tokens, False) + (
+                k * clock.decode_s_per_step if decoding else 0.0)
+        if open_step is not None:
+            # the scheduler's step ends: the pins go back, the held requests
+            # return to the front (before the finished requests are freed)
+            manager.close_step(scheduled)
+            if held_out:
+                rest = list(waiting)
+                waiting.clear()
+                waiting.extend(held_out + rest)
         for r in list(running):
             c = r.core
             if c.num_computed >= c.prompt_len and r.decoded >= r.output_len - 1:
@@ -305,4 +410,5 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
         if settings.lockstep and not waiting and not running:
             next_round()
     totals.elapsed_s = time.perf_counter() - t0
+    totals.client_s = now
     return totals

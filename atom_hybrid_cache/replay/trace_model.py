@@ -36,6 +36,9 @@ class TraceRequest:
     trace_block_ids: tuple[int, ...]  # the trace's hash ids
     arrival_s: float
     streaming: bool = False  # cc "type": "s" (streaming) vs "n"
+    # the client's time between the previous request's completion and this
+    # one (cc "think_time"; 0 where the trace has none)
+    think_s: float = 0.0
 
 
 @dataclass

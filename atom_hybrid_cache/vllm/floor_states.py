@@ -8,7 +8,9 @@ state below its top, and the next cut of its top costs all of it. So from
 its first step in vLLM's admission window to its release, a request holds
 the highest state at or below each floor fraction of its prompt; the
 release gives them back in its units (`release.free_in_units`). All floors
-together stay under `FLOOR_MAX_POOL_SHARE` of the pool.
+together stay under `FLOOR_MAX_POOL_SHARE` of the pool. What a request asks
+for and may hold is `core.floor_ledger`'s, which the planner's model of the
+plugin runs too; this adapter finds the states in vLLM's pool.
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ import itertools
 import logging
 from typing import Sequence
 
+from ..core.floor_ledger import FLOOR_MAX_POOL_SHARE, FloorLedger
 from ..core.stats import CacheStats
 from .state_search import StateSearch
 
 logger = logging.getLogger("atom_hybrid_cache")
 
-# With hundreds of requests in vLLM's window, floors could crowd out the
-# prefixes they insure (no measured workload reaches the cap: 5.3% at most).
-FLOOR_MAX_POOL_SHARE = 1 / 16
+
+def _warn_share_full(max_pages: int) -> None:
+    logger.warning("atom_hybrid_cache: floor states fill their share of the pool "
+                   "(%d pages); requests beyond it hold none (see "
+                   "ATOM_STATE_CHECKPOINT_FLOOR)", max_pages)
 
 
 class FloorStates:
@@ -34,16 +39,16 @@ class FloorStates:
         (`floor_holds`: the planner's, so they reach the log lines)."""
         self.pool = pool
         self.states = states
-        self.fractions = tuple(fractions)
-        self.max_pages = int(num_pages * FLOOR_MAX_POOL_SHARE)
-        # request id -> [(position, pages of every state group)]; an empty
-        # list: looked up, nothing found or no room (not looked up again
-        # until the request is released)
-        self.held: dict[str, list] = {}
-        self.held_pages = 0
-        self.stats = stats if stats is not None else CacheStats()
-        # requests that found floors but were refused them for the pool share
-        self.refused = 0
+        # what each request holds, and the share (core.floor_ledger)
+        self.ledger = FloorLedger(fractions, int(num_pages * FLOOR_MAX_POOL_SHARE), stats,
+                                  _warn_share_full)
+
+    fractions = property(lambda self: self.ledger.fractions)
+    max_pages = property(lambda self: self.ledger.max_pages)
+    held = property(lambda self: self.ledger.held)
+    held_pages = property(lambda self: self.ledger.held_pages)
+    refused = property(lambda self: self.ledger.refused)
+    stats = property(lambda self: self.ledger.stats)
 
     @property
     def holds(self) -> int:
@@ -57,42 +62,29 @@ class FloorStates:
         limit = sched.scheduler_config.max_num_seqs - len(sched.running)
         if limit <= 0:
             return
+        held = self.ledger.held
         for request in itertools.islice(sched.waiting, limit):
-            if request.request_id not in self.held:
+            if request.request_id not in held:
                 self.hold(request)
 
     def hold(self, request) -> None:
-        tops = [int(request.num_prompt_tokens * f) for f in self.fractions]
         # the whole prefix, not a few pages below each top: a floor is the
         # state a long prefix falls back on, often tens of thousands of
         # tokens below (one walk per request, at page boundaries)
         found = self.states.highest_at_or_below(
-            request.block_hashes, tops,
+            request.block_hashes, self.ledger.tops(request.num_prompt_tokens),
             max_pages=-(-request.num_prompt_tokens // self.states.page))
-        pages = sum(len(p) for _, p in found)
-        if found and self.held_pages + pages > self.max_pages:
-            if not self.refused:
-                logger.warning("atom_hybrid_cache: floor states fill their share of the pool "
-                               "(%d pages); requests beyond it hold none (see "
-                               "ATOM_STATE_CHECKPOINT_FLOOR)", self.max_pages)
-            self.refused += 1
-            found = []
-        for _, p in found:
+        for _, p in self.ledger.take(request.request_id, found):
             self.pool.touch(p)
-        self.held_pages += pages if found else 0
-        self.stats.floor_holds += bool(found)
-        self.held[request.request_id] = found
 
     def release_all_but(self, keep) -> None:
         """Give back the floors of every request not in `keep` (request ids)
         and forget them: they are looked up again when next in the window."""
-        for rid in [r for r in self.held if r not in keep]:
+        for rid in [r for r in self.ledger.held if r not in keep]:
             for _, pages in self.release(rid):
                 self.pool.free_blocks(pages)
 
     def release(self, request_id: str) -> list:
         """[(position, pages)] the request held, whose references the
         caller gives back (with the request's pages)."""
-        found = self.held.pop(request_id, None) or []
-        self.held_pages -= sum(len(p) for _, p in found)
-        return found
+        return self.ledger.release(request_id)

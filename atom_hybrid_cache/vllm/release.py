@@ -47,9 +47,17 @@ def free_in_units(sched, parts, request) -> None:
     if anchor is not None:
         # the prompt-end state this request held goes back with its pages
         pos, pages = anchor
-        states += _held_states_back(pool, pos, pages, held, parts.state_groups)
-        if pos not in kept:
-            kept.append(pos)
+        back = _held_states_back(pool, pos, pages, held, parts.state_groups)
+        if planner.keeps_prompt_end(pos):
+            states += back
+            if pos not in kept:
+                kept.append(pos)
+        else:
+            # inside a page and not worth its pages (core/tail_price.py):
+            # the copy and the partial KV page go back uncached, reused
+            # first; the page-boundary state below stays
+            states += [FreedState(b.handle, 0, False) for b in back]
+            kv = _unindex_partial_pages(pool, pos, kv, pages)
     for pos, pages in floors:
         # held since the request entered the admission window: they go
         # back in its units, below the KV they insure
@@ -98,6 +106,23 @@ def give_back_held(sched, parts, request) -> None:
         pool.free_blocks(pages)
     unit = sched.hash_block_size
     parts.planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], ())
+
+
+def _unindex_partial_pages(pool, pos: int, kv: list, state_pages) -> list:
+    """Take a prompt-end state at `pos` inside a page out of vLLM's index:
+    its state pages and, in each KV group, the page holding the tokens up
+    to it (indexed as a partial block). `kv` with those pages uncached."""
+    pool.evict_blocks({b.block_id for b in state_pages})
+    out = []
+    for pages in kv:
+        i = pos // pages.block_size - pages.first_column
+        if 0 <= i < len(pages.handles) and pages.cached[i] and pos % pages.block_size:
+            pool.evict_blocks({pages.handles[i].block_id})
+            cached = list(pages.cached)
+            cached[i] = False
+            pages = KVPages(pages.block_size, pages.handles, cached, pages.first_column)
+        out.append(pages)
+    return out
 
 
 def _held_states_back(pool, pos: int, pages, held: set, groups) -> list[FreedState]:

@@ -17,7 +17,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings, server_defaults
 from ..core.planner import CheckpointPlanner
 from ..core.policy import CheckpointPolicy
-from ..core.pool_budget import pool_under_minimum, under_minimum_reason
+from ..core.gate_steps import gate_on
+from ..core.pool_budget import under_minimum_reason
+from ..core.tail_price import describe_price
 from . import private_api
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
@@ -137,6 +139,9 @@ def build_parts(sched) -> SchedulerParts:
                 else "at prefill chunk ends (chunks cut onto them)",
                 settings.server.admission_order, "on" if parts.gate else "off",
                 policy.placement, policy.floor_fractions or "off")
+    price = describe_price(policy.checkpoint_kv_tokens, block_size, sched.hash_block_size)
+    if price and policy.reuse_aware:
+        logger.info("atom_hybrid_cache: %s", price)
     if sched.hash_block_size > MAX_HASH_UNIT_TOKENS:
         logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; leave "
                        "--prefix-match-unit unset (the plugin then picks %d or a divisor "
@@ -160,7 +165,8 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
     if mode == "auto":
         if policy is None:
             return None
-        if pool_under_minimum(policy.pool_kv_tokens, policy.checkpoint_kv_tokens):
+        # (the rule the planner's model of the plugin applies too)
+        if not gate_on(mode, policy.pool_kv_tokens, policy.checkpoint_kv_tokens):
             logger.warning("atom_hybrid_cache: admission gate off (auto): %s",
                            under_minimum_reason(policy.pool_kv_tokens,
                                                 policy.checkpoint_kv_tokens))

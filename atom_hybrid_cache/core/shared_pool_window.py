@@ -1,0 +1,120 @@
+"""The plugin's work on vLLM's admission window before each step, in the
+planner's model of the shared pool (`shared_pool_manager.py`): the floor
+states the waiting requests take, then the admission gate's pins and holds.
+
+The same decisions as the vLLM adapter's (`vllm/floor_states.py`,
+`vllm/admission_gate.py`), from the same core code (`floor_ledger`,
+`gate_steps`); what this file adds is the lookups in the model's pool:
+- a window is the first `max_num_seqs - running` waiting requests;
+- a request's hit pages are vLLM's `find_longest_cache_hit` answer in group
+  order (the state groups, then the attention group), its need
+  `admission.pages_to_admit`, and the running requests' reserve
+  `admission.prefill_pages` over their block tables;
+- the pins are references through the step, given back in the gate's order
+  after it (so they join the LRU's tail), the held requests wait in front.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from ..config import ADMISSION_GATE_MAX_HOLD_STEPS
+from .admission import STATE_PAGES_TO_FINISH, PageGroup, pages_to_admit, prefill_pages
+from .floor_ledger import FLOOR_MAX_POOL_SHARE, FloorLedger
+from .gate_steps import GateDecision, GateLookup, GateSteps
+
+
+class SharedPoolWindow:
+    def __init__(self, manager, *, gate: bool, floor_fractions: tuple,
+                 max_hold_steps: int = ADMISSION_GATE_MAX_HOLD_STEPS) -> None:
+        """`manager`: the SharedPoolManager whose pool and requests these
+        act on; `gate`: whether the admission gate runs; `floor_fractions`:
+        the floors (empty: none)."""
+        self.manager = manager
+        stats = manager.planner.stats
+        self.gate = GateSteps(stats) if gate else None
+        self.floors = (FloorLedger(floor_fractions,
+                                   int(manager.shape.num_pages * FLOOR_MAX_POOL_SHARE), stats)
+                       if floor_fractions else None)
+        self.max_hold_steps = max_hold_steps
+        P = manager.page
+        self.groups = [PageGroup(True, P)] * manager.pps + [PageGroup(False, P)]
+        self._decision: Optional[GateDecision] = None
+
+    def open(self, waiting: Sequence, running: Sequence) -> list:
+        """Before a step: the floors of the window's requests not holding
+        any yet, then the gate. The waiting requests (in queue order) the
+        gate holds out of this step."""
+        limit = self.manager.shape.max_num_seqs - len(running)
+        window = list(waiting)[:max(0, limit)]
+        if self.floors is not None:
+            for req in window:
+                if req.request_id not in self.floors.held:
+                    self._hold_floors(req)
+        if self.gate is None:
+            return []
+        # (the gate forgets its remembered lookups at every step it is asked)
+        remembered = self.gate.begin()
+        if remembered is None or not window:
+            return []
+        candidates = [self._look_up(req, remembered.get(req.request_id))
+                      for req in window if not req.num_computed]
+        if not candidates:
+            return []
+        decision = self.gate.decide(candidates, self.manager.pool.num_free,
+                                    self._running_reserve(running),
+                                    self._token_budget(running), bool(running),
+                                    self.max_hold_steps)
+        self.manager.pool.touch(decision.pinned)
+        self._decision = decision
+        held_ids = {candidates[i].request_id for i in decision.held}
+        return [req for req in window if req.request_id in held_ids]
+
+    def close(self, scheduled_tokens: int) -> None:
+        """After the step: the pins given back, in the gate's order."""
+        decision, self._decision = self._decision, None
+        if decision is None:
+            return
+        self.manager.pool.free(decision.pinned)
+        self.gate.end(decision, scheduled_tokens)
+
+    def gated(self) -> bool:
+        """Whether this step's gate pinned or held anything."""
+        d = self._decision
+        return d is not None and bool(d.pinned or d.held)
+
+    def release_floors(self, request_id) -> list:
+        return self.floors.release(request_id) if self.floors is not None else []
+
+    # -- lookups in the model's pool --------------------------------------
+    def _hold_floors(self, req) -> None:
+        m = self.manager
+        found = m.highest_states_at_or_below(req.block_hashes, self.floors.tops(req.prompt_len),
+                                             max_pages=-(-req.prompt_len // m.page))
+        for _, pages in self.floors.take(req.request_id, found):
+            m.pool.touch(pages)
+
+    def _look_up(self, req, remembered: Optional[tuple]) -> GateLookup:
+        m = self.manager
+        if remembered is None:
+            hit, kv_pages, state_pages = m.lookup(req)
+            remembered = (tuple([p] for p in state_pages or ()) + (tuple(kv_pages),)
+                          if hit else (), hit)
+        hit_pages, hit = remembered
+        ref = m.pool.ref_cnt
+        evictable = [p for group in hit_pages for p in group if ref[p] == 0]
+        return GateLookup(req.request_id, hit_pages, hit,
+                          pages_to_admit(self.groups, req.num_tokens, hit),
+                          req.num_tokens - hit, evictable)
+
+    def _running_reserve(self, running: Sequence) -> int:
+        held = self.manager.held_kv_pages
+        kv = len(self.groups) - 1
+        return sum(prefill_pages(self.groups, r.prompt_len,
+                                 lambda g, r=r: held(r.request_id) if g == kv else 0,
+                                 STATE_PAGES_TO_FINISH)
+                   for r in running)
+
+    def _token_budget(self, running: Sequence) -> int:
+        return self.manager.shape.step_tokens - sum(max(0, r.prompt_len - r.num_computed)
+                                                    for r in running)

@@ -1,0 +1,64 @@
+"""The planner's model of the plugin (core/shared_pool_manager.py through
+benchmarks/planner_agreement.py) at pinned agreement points: the cached
+tokens vLLM's real scheduler gives at the same points, pinned for it in
+tests/e2e/test_scheduler_only_replay.py. No vLLM needed here; a change to
+the plugin that moves one must move both (BENCHMARKS.md, "The planner
+against vLLM's scheduler").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def agreement():
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    spec = importlib.util.spec_from_file_location("planner_agreement",
+                                                  BENCH / "planner_agreement.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    if not mod.E.DEFAULT_TRACE_DIR.is_dir():
+        pytest.skip(f"shared cc traces not available in {mod.E.DEFAULT_TRACE_DIR}")
+    return mod
+
+
+def _cached(mod, convs, w, multiple, block, policies):
+    pages = mod.E.budget_blocks(multiple, w.working_set, w.single_request)
+    return pages, {p: mod.planner_cached(p, convs, pages, block, 4) for p in policies}
+
+
+def test_the_elided_workload_at_0_83(agreement, monkeypatch):
+    """63 pages, 20 checkpoints' worth: the gate is off by default (on with
+    plugin-gated, 12 held steps), no floors."""
+    monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
+    E = agreement.E
+    convs = E.build_workload(E.resolve_trace_paths(None), 2000)
+    w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
+    pages, got = _cached(agreement, convs, w, 0.83, E.BLOCK_SIZE,
+                         ("native", "plugin", "plugin-gated"))
+    assert pages == 63
+    assert got == {"native": 13_184, "plugin": 15_808, "plugin-gated": 14_720}
+
+
+def test_the_scaled_workload_at_0_83(agreement, monkeypatch):
+    """599 pages of 32 tokens, 199 checkpoints' worth: the server's gate and
+    floors on. Without them modelled the planner kept 782,368 for the
+    plugin; without vLLM's align split rule (a chunk is cut to whole pages
+    unless a page exceeds the step) and its remove_skipped_blocks before
+    the room check, 734,208 for native."""
+    monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
+    E = agreement.E
+    convs = E.build_workload(E.traces_fitting(64000), 0, tokens_per_id=8)
+    block = E.GEOMETRIES["small-block"]["block_size"]
+    w = E.lockstep_workload(convs, 4, block)
+    pages, got = _cached(agreement, convs, w, 0.83, block, ("native", "plugin"))
+    assert (pages, agreement.checkpoints_worth(pages, block)) == (599, 199)
+    assert got == {"native": 702_944, "plugin": 804_736}
