@@ -222,9 +222,11 @@ def planner_cached(policy: str, convs, w, cell) -> int:
     unit = unit or block
     settings = load_settings(None, server_defaults())
     shape = SharedPoolShape(num_pages=cell["pool_pages"] + 1, page_tokens=block, hash_unit=unit,
-                            pages_per_state=CHECKPOINT_PAGES, max_num_seqs=cell["in_flight"])
+                            pages_per_state=CHECKPOINT_PAGES, max_num_seqs=cell["in_flight"],
+                            step_tokens=A.STEP_TOKENS)
     mgr = SharedPoolManager(shape, settings.placement,
-                            floor_fractions=settings.server.floor_fractions, plugin=plugin)
+                            floor_fractions=settings.server.floor_fractions, plugin=plugin,
+                            admission_gate=settings.server.admission_gate)
     conversations = [A._Conversation(c["id"], c["prompts"]) for c in convs]
     sim = SimSettings(concurrency=cell["in_flight"], prefill_chunk=A.STEP_TOKENS,
                       block_size=unit, max_model_len=1 << 40, lockstep=True, max_output=1)

@@ -97,12 +97,13 @@ def test_replay_plot_example(tmp_path):
     done = subprocess.run(["bash", str(EXAMPLES / "replay_plot.sh"), "", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert (out / "sweep.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "memory.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     data = json.loads((out / "replay.json").read_text())
     policies = {r["policy"] for r in data["policies"]}
     assert {"default", "vllm-align", "kv-only-ceiling"} <= policies
-    assert sorted(data["meta"]["sweep"]) == ["default", "simple"]
-    assert [slots for slots, _ in data["meta"]["sweep"]["default"]] == [0, 8, 32]
+    sweep = data["meta"]["sweep_memory"]
+    assert sorted(sweep) == ["default", "vllm-align"]
+    assert [gib for gib, _ in sweep["default"]] == [10, 20, 40, 80]
 
 
 @pytest.mark.parametrize("config, tiers", [
