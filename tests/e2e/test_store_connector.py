@@ -367,8 +367,15 @@ def test_a_store_that_loses_corrupts_or_delays_objects_costs_recomputation_only(
     c = got["counters"]
     print("faults", sum(got["run"].cached), c, got["left"])
     assert same_as_off(got["run"], reference)
-    assert c["loads_failed"] == {"state missing": 5, "state corrupt": 8, "kv missing": 5}
-    assert (c["loads_attempted"], c["loads_completed"]) == (20, 2)
+    # Which object a fault hits follows the order of the puts; since the
+    # inner prompt-end states are priced (core/tail_price.py) the missing
+    # ones split by leg differently from run to run (measured: state 6 /
+    # kv 5 / 2 completed, state 6 / kv 3 / 3 completed; before, always
+    # 5 / 5 / 2); every corrupted state is still caught, and no failed load
+    # changes an output (above)
+    assert c["loads_attempted"] == 20 and c["loads_failed"]["state corrupt"] == 8
+    assert set(c["loads_failed"]) == {"state missing", "state corrupt", "kv missing"}
+    assert c["loads_failed"]["state missing"] >= 5 and c["loads_failed"]["kv missing"] >= 3
     assert c["loads_completed"] + sum(c["loads_failed"].values()) == c["loads_attempted"]
     assert got["left"] == baseline(nb)
 
