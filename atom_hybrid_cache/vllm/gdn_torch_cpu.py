@@ -54,6 +54,16 @@ def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch
     if getattr(layer, "num_spec", 0):
         speculative_step_torch(layer, md, mixed_qkv, b, a, core_attn_out)
         return None
+    step_rows = slot_rows(md)
+    if step_rows is None:
+        return None
+    return forward_on_slots(layer_parts(layer), step_rows, mixed_qkv, a, b, core_attn_out,
+                            *slot_pools(layer))
+
+
+def slot_rows(md) -> Optional[SlotRows]:
+    """The non-speculative rows of vLLM's GDN metadata (which KDA layers
+    share: decodes first, then prefills) as slot rows, or None without any."""
     rows = md.num_decodes + md.num_prefills
     if rows == 0:
         return None
@@ -61,10 +71,8 @@ def gdn_core_torch(layer, md, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch
     resumes = torch.ones(rows, dtype=torch.bool)
     if md.num_prefills:
         resumes[md.num_decodes:] = md.has_initial_state[md.num_decodes:rows]
-    step_rows = SlotRows(md.non_spec_query_start_loc[:rows + 1].to(torch.int32),
-                         md.non_spec_state_indices_tensor[:rows].long(), resumes)
-    return forward_on_slots(layer_parts(layer), step_rows, mixed_qkv, a, b, core_attn_out,
-                            *slot_pools(layer))
+    return SlotRows(md.non_spec_query_start_loc[:rows + 1].to(torch.int32),
+                    md.non_spec_state_indices_tensor[:rows].long(), resumes)
 
 
 def replay_pages(layer) -> Optional[ReplayPages]:

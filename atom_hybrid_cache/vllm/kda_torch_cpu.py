@@ -29,8 +29,9 @@ from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention as vllm_cpu_g
 from vllm.utils.torch_utils import LayerNameType, _resolve_layer_name, direct_register_custom_op
 
 from ..kernels.gating import kda_gating
-from ..kernels.slot_forward import LayerParts, SlotRows, SlotStep, forward_on_slots
+from ..kernels.slot_forward import LayerParts, SlotStep, forward_on_slots
 from .gdn_backend import AtomGDNMetadata
+from .gdn_torch_cpu import slot_rows
 from .interior_cpu import store_targets_from_torch_core
 
 OP_NAME = "atom_kda_attention_core_cpu"
@@ -63,15 +64,9 @@ def kda_core_torch(layer, md, mixed_qkv: torch.Tensor, raw_g: torch.Tensor,
     """One step of `layer` over the rows of `md` (vLLM's GDN metadata, which
     KDA layers share: decodes first, then prefills): writes `core_attn_out`
     [T, H, V] and the rows' state and window slots."""
-    rows = md.num_decodes + md.num_prefills
-    if rows == 0:
+    step_rows = slot_rows(md)
+    if step_rows is None:
         return None
-    # a decode resumes its slot's state; a prefill only where vLLM says so
-    resumes = torch.ones(rows, dtype=torch.bool)
-    if md.num_prefills:
-        resumes[md.num_decodes:] = md.has_initial_state[md.num_decodes:rows]
-    step_rows = SlotRows(md.non_spec_query_start_loc[:rows + 1].to(torch.int32),
-                         md.non_spec_state_indices_tensor[:rows].long(), resumes)
     return forward_on_slots(kda_layer_parts(layer), step_rows, mixed_qkv, raw_g, raw_beta,
                             core_attn_out, *kda_slot_pools(layer))
 
