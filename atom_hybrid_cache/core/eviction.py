@@ -11,7 +11,7 @@ its block objects, already classified.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 
 class FreedState(NamedTuple):
@@ -116,3 +116,27 @@ def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float]) -
     where their own request left them in the LRU."""
     wanted = [hit] if hit else []
     return wanted + [int(end * f) for f in retain_fractions]
+
+
+def highest_states_at_or_below(tops, hash_unit: int, page: int, max_pages: int,
+                               state_at: Callable[[int], Optional[list]]) -> list:
+    """[(position, pages)] of the highest state at or below each of `tops`
+    (`state_at(pos)`: the state's pages there, or None), each position once,
+    highest first. A walk looks at every hash unit of the page below its top
+    (prompt-end states sit between pages), then at page boundaries only
+    (where chunk ends put most other states), at most `max_pages` pages down.
+    The release (vllm/state_search.py) and the planner's model both walk so."""
+    found = {}
+    for top in sorted({t // hash_unit * hash_unit for t in tops if t >= hash_unit},
+                      reverse=True):
+        pos = top
+        lowest = top - max_pages * page
+        while pos > 0 and pos >= lowest:
+            if pos in found:
+                break
+            pages = state_at(pos)
+            if pages is not None:
+                found[pos] = pages
+                break
+            pos = pos - hash_unit if pos > top - page else (pos - 1) // page * page
+    return sorted(found.items(), reverse=True)

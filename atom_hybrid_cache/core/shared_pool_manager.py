@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..config import PlacementConfig
-from .eviction import FreedState, KVPages, freed_units, refreshed_positions
+from .eviction import (FreedState, KVPages, freed_units, highest_states_at_or_below,
+                       refreshed_positions)
 from .gate_steps import gate_on
 from .kinds import CheckpointKind
 from .manager import Admission
@@ -514,20 +515,8 @@ class SharedPoolManager:
     def highest_states_at_or_below(self, hashes: Sequence, tops,
                                    max_pages: int = SEARCH_PAGES) -> list:
         """vllm/state_search.StateSearch.highest_at_or_below over this pool."""
-        U, P = self.block_size, self.page
-        found = {}
-        for top in sorted({t // U * U for t in tops if t >= U}, reverse=True):
-            pos = top
-            lowest = top - max_pages * P
-            while pos > 0 and pos >= lowest:
-                if pos in found:
-                    break
-                pages = self._state_at(hashes, pos)
-                if pages is not None:
-                    found[pos] = pages
-                    break
-                pos = pos - U if pos > top - P else (pos - 1) // P * P
-        return sorted(found.items(), reverse=True)
+        return highest_states_at_or_below(tops, self.block_size, self.page, max_pages,
+                                          lambda pos: self._state_at(hashes, pos))
 
     def preempt(self, req) -> None:
         self.finish(req)

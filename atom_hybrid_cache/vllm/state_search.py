@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from ..core.eviction import highest_states_at_or_below
 from . import private_api
 
 # How far below each top (in state pages) `highest_at_or_below` looks.
@@ -57,23 +58,10 @@ class StateSearch:
         every hash unit of the page below its top (prompt-end states sit
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
-        unit = self.hash_unit
-        page = self.page
         indexed = self.maybe_indexed(block_hashes)
-        found = {}
-        for top in sorted({t // unit * unit for t in tops if t >= unit}, reverse=True):
-            pos = top
-            lowest = top - max_pages * page
-            while pos > 0 and pos >= lowest:
-                if pos in found:
-                    break
-                if indexed(pos):
-                    hit = self.states_at(block_hashes, pos)
-                    if hit is not None:
-                        found[pos] = hit
-                        break
-                pos = pos - unit if pos > top - page else (pos - 1) // page * page
-        return sorted(found.items(), reverse=True)
+        return highest_states_at_or_below(
+            tops, self.hash_unit, self.page, max_pages,
+            lambda pos: self.states_at(block_hashes, pos) if indexed(pos) else None)
 
     def positions(self, block_hashes: Sequence, end: int) -> list[int]:
         """Every hash-unit boundary below `end` where a state of this prefix
