@@ -118,6 +118,8 @@ class _Held:
     # the block-table column of retired[-1] while vLLM still frees it
     # (its `last_state_block_idx`); None once freed or overwritten
     last_col: Optional[int] = None
+    # the running pages hold a mid-page state (`running_pos`)
+    mid_page_running: bool = False
 
 
 class SharedPoolManager:
@@ -140,6 +142,8 @@ class SharedPoolManager:
         self.stats = CacheStats()
         self.oracle = PrefixOracle(oracle_limit)
         self._held: dict = {}
+        # partial-hit copy-on-write sources this step still references
+        self._cow_sources: list = [[] for _ in range(shape.pages_per_state + 1)]
         self._state_salts = [_STATE_SALT + g for g in range(self.pps)]
         # states: written, read, evicted (a state is lost with any of its pages)
         self.writes = 0
@@ -194,6 +198,9 @@ class SharedPoolManager:
         return self.window.open(waiting, running) if self.window is not None else []
 
     def close_step(self, scheduled_tokens: int) -> None:
+        if any(self._cow_sources):
+            self.pool.free([p for group in self._cow_sources for p in group])
+            self._cow_sources = [[] for _ in range(self.pps + 1)]
         if self.window is not None:
             self.window.close(scheduled_tokens)
 
@@ -266,16 +273,16 @@ class SharedPoolManager:
         src = (full + ([partial_page] if partial_page is not None else []))[:-(-hit // P)]
         mid_page = hit % P != 0
         junction = reach // P * P if reach > hit else 0
+        budget = L if budget is None else budget
+        if not self._chunk(hit, L, budget, self._vllm_positions(L, hit, junction)):
+            # the step's budget left no whole page past the hit: vLLM stops
+            # admitting this step (its align split gives 0 tokens, and the
+            # adapter plans nothing) and takes no reference, so the next
+            # step's allocations may evict the hit
+            return None
         keep = self._kept_positions(req.request_id, L, hashes, hit, junction,
                                     full_reach=max(hit, len(full) * P))
-        first_end = hit + self._chunk(hit, L, L if budget is None else budget, keep)
-        if first_end == hit:
-            # the step's budget left no whole page past the hit: vLLM stops
-            # admitting this step (its align split gives 0 tokens) and takes
-            # no reference, so the next step's allocations may evict the hit
-            if self.planner is not None:
-                self.planner.plans.pop(req.request_id)
-            return None
+        first_end = hit + self._chunk(hit, L, budget, keep)
         # KV pages past the hit's whole pages (a mid-page hit's page is
         # copied); a state page per group: the chunk's end column, or the
         # copy of a mid-page hit, whose column it ends in. vLLM admits only
@@ -287,8 +294,6 @@ class SharedPoolManager:
         evictable = len({p for p in src + (hit_state or []) if pool.ref_cnt[p] == 0})
         whole_states = self.pps * min(max(-(-L // P) - -(-hit // P), 0) + mid_page, 1 + mid_page)
         if whole_kv + whole_states > pool.num_free - evictable:
-            if self.planner is not None:
-                self.planner.plans.pop(req.request_id)
             return None
         pool.touch(src)
         if hit_state:
@@ -297,8 +302,20 @@ class SharedPoolManager:
         kv = src[:hit // P] + pool.allocate(new_kv)
         held = _Held(hit, keep, kv, pool.allocate(self.pps))
         if mid_page:
-            # copy-on-write: the copies run on, the sources go back
-            pool.free([src[-1]] + hit_state)
+            # copy-on-write: the copies run on; vLLM keeps the sources
+            # referenced until its schedule() ends (the copy runs in this
+            # step), then frees them group by group, the state groups
+            # first, in admission order within a group (`close_step`)
+            sources = hit_state + [src[-1]]
+            if self.plugin and hit == (L - self.shape.successor_room) // U * U:
+                # the hit is this prompt's own end: the plugin's hold on
+                # its prompt-end state (vllm/anchor_holds.py) keeps the
+                # state's source pages
+                held.anchor = (hit, hit_state)
+                sources = [None] * self.pps + [src[-1]]
+            for g, page in enumerate(sources):
+                if page is not None:
+                    self._cow_sources[g].append(page)
         elif hit_state:
             held.retired.append((hit, hit_state))
             held.last_col = hit // P - 1
@@ -319,18 +336,28 @@ class SharedPoolManager:
         """Position -> kind of every state this prefill keeps: vLLM's (the
         last page boundary and hash-unit boundary before the prompt's last
         token, the junction) and the planner's."""
-        P, U = self.page, self.block_size
-        end = L - self.shape.successor_room
         keep = {}
         if self.planner is not None:
-            plan = self.planner.plan(rid, L, hashes, hit=hit, kv_reach=full_reach)
+            # as the adapter (vllm/admission.chunk_tokens): a request that
+            # waits for room keeps its plan while its hit stays
+            plan = self.planner.plans.get(rid)
+            if plan is None or plan.hit != hit:
+                plan = self.planner.plan(rid, L, hashes, hit=hit, kv_reach=full_reach)
             keep.update(plan.kinds)
-        for pos, kind in ((end // P * P, CheckpointKind.ANCHOR),
-                          (end // U * U, CheckpointKind.ANCHOR),
-                          (junction, CheckpointKind.JUNCTION)):
-            if pos > hit:
-                keep.setdefault(pos, kind)
+        for pos, kind in self._vllm_positions(L, hit, junction).items():
+            keep.setdefault(pos, kind)
         return keep
+
+    def _vllm_positions(self, L: int, hit: int, junction: int) -> dict:
+        """Position -> kind of the states vLLM's own split keeps past
+        `hit`: the last page boundary and hash-unit boundary before the
+        prompt's last token, and the junction."""
+        P, U = self.page, self.block_size
+        end = L - self.shape.successor_room
+        return {pos: kind for pos, kind in ((junction, CheckpointKind.JUNCTION),
+                                            (end // U * U, CheckpointKind.ANCHOR),
+                                            (end // P * P, CheckpointKind.ANCHOR))
+                if pos > hit}
 
     # -- prefill ---------------------------------------------------------
     def _chunk(self, start: int, L: int, budget: int, keep: dict) -> int:
@@ -367,6 +394,8 @@ class SharedPoolManager:
         start = req.num_computed
         end = start + n
         self._free_passed_state(held, start)
+        if not self._retire_mid_page_running(held):
+            return False
         new_kv = max(0, -(-end // P) - len(held.kv))
         new_column = -(-end // P) > -(-start // P)
         if new_kv + (self.pps if new_column else 0) > self.pool.num_free:
@@ -380,6 +409,30 @@ class SharedPoolManager:
         held.kv.extend(pool.allocate(new_kv))
         if new_column:
             held.running, held.running_pos = pool.allocate(self.pps), None
+        return True
+
+    def _retire_mid_page_running(self, held: _Held) -> bool:
+        """vLLM's own mid-page state leaves the block table for the LRU at
+        the request's next allocation, which takes fresh running pages;
+        False when the pool has no room for them."""
+        if not held.mid_page_running:
+            return True
+        if self.pool.num_free < self.pps:
+            return False
+        old, pos = held.running, held.running_pos
+        held.running, held.running_pos = self.pool.allocate(self.pps), None
+        held.mid_page_running = False
+        if self.plugin:
+            # the copy's source is the prompt-end state the plugin holds to
+            # the release (vllm/anchor_holds.py takes it back in this step)
+            if held.anchor is not None:
+                self.pool.free(held.anchor[1])
+            held.anchor = (pos, old)
+            return True
+        # a copy-on-write of the running state: the source goes back with
+        # the step's other copy sources (`close_step`)
+        for g, page in enumerate(old):
+            self._cow_sources[g].append(page)
         return True
 
     def _free_passed_state(self, held: _Held, computed: int) -> None:
@@ -406,26 +459,20 @@ class SharedPoolManager:
         for i in range(start // U, min(end // U, len(hashes))):
             learn(hashes[i])
         last = (req.prompt_len - self.shape.successor_room) // U * U
-        if last % P and start < last <= end:
+        if last % P and start <= last <= end:
             # vLLM's partial KV entry at the prompt's last hash-unit boundary
+            # (a hit there indexes its copy-on-write page under it too)
             pool.index_page(held.kv[last // P], hashes[last // U - 1] ^ _PARTIAL_SALT)
         req.num_computed = end
         if end >= req.prompt_len or end not in held.keep:
             return
         keys = self._state_keys(hashes[end // U - 1])
-        if end % P:
-            # a mid-page state: vLLM copies it into pages of its own (the
-            # prompt-end copy), which the plugin holds until the release
-            if pool.num_free < self.pps:
-                self.dropped += 1
-                return
-            pages = pool.allocate(self.pps)
-            if held.anchor is not None:
-                pool.free(held.anchor[1])
-            held.anchor = (end, pages)
-        else:
-            pages = held.running
-            held.running_pos = end
+        # a mid-page state (the prompt's last hash-unit boundary) stays in
+        # the running pages, which the request's next allocation copies
+        # into fresh ones (`_retire_mid_page_running`)
+        pages = held.running
+        held.running_pos = end
+        held.mid_page_running = bool(end % P)
         for p, k in zip(pages, keys):
             pool.index_page(p, k)
         self._live_states.add(keys[0])

@@ -172,3 +172,34 @@ def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plu
     # a dropped one goes back uncached, and its pages are reused before the
     # indexed ones they would have displaced
     assert (len(tracer.evictions), sum(e.state for e in tracer.evictions)) == (182, 117)
+
+
+# Two cells of benchmarks/small_pool_sweep.py (subset, checkpoints' worth,
+# pool / live): vLLM's default geometry, its 64-token hash unit inside
+# 128-token pages. The planner's model gives the same (pinned for it in
+# tests/test_planner_agreement.py).
+SWEEP_CELLS = {(1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 229_568},
+               (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 330_624}}
+
+
+def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env, vllm_cpu_env):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "small_pool_sweep.py"
+    spec = importlib.util.spec_from_file_location("small_pool_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    E = pressure_bench
+    groups = sweep.subsets(128000, 3, 8)
+    for (subset, checkpoints, multiple), want in SWEEP_CELLS.items():
+        shapes = sweep.Shapes(groups[subset], None)
+        pool = checkpoints * sweep.CHECKPOINT_PAGES
+        tokens_per_id, in_flight, _ = sweep.pick_shape(shapes, pool, multiple)
+        convs, w = shapes.workload(tokens_per_id, in_flight)
+        got = {}
+        for policy in want:
+            # +1: vLLM's null block
+            run = E.run_policy(policy, convs, w.rounds, pool + 1, w.max_model_len,
+                               sweep.GEOMETRY, scheduler_only=True, max_num_seqs=in_flight)
+            got[policy] = sum(run["cached"])
+        assert got == want, (subset, checkpoints, multiple)
