@@ -291,8 +291,9 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
     "ATOM_STATE_CHECKPOINT_COLD": (
         "placement", "cold_fractions", _parse_fractions,
         "comma list: a prompt resumed below half its length also keeps a checkpoint at each "
-        "fraction of its length (unset: 0.5,0.875 in a vLLM server, none in the replay "
-        "planner; empty: none)"),
+        "fraction of its length (unset: 0.5,0.875 in a vLLM server where a request slot's "
+        "share of the pool holds at least 32 checkpoints' worth, none in the replay planner; "
+        "empty: none)"),
     "ATOM_STATE_CHECKPOINT_SPAN": (
         "placement", "span_fractions", _parse_fractions,
         "comma list: any prompt also keeps a checkpoint at each fraction of its length that its "
@@ -301,7 +302,8 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "server", "floor_fractions", _parse_fractions,
         "comma list: a request waiting for admission or running holds the highest state at or "
         "below each fraction of its prompt until its release (unset: 0.25,0.5 in a vLLM "
-        "server; empty: none)"),
+        "server where a request slot's share of the pool holds at least 32 checkpoints' "
+        "worth; empty: none)"),
     "ATOM_STATE_CHECKPOINT_INSURE_TOKENS": (
         "placement", "insure_recompute_tokens", _parse_int,
         "a prefill recomputing at least N tokens also keeps a checkpoint a little below its "

@@ -194,10 +194,10 @@ def test_no_cold_checkpoint_below_four_checkpoints_worth_of_kv():
     assert _cold_targets(2408, 0, 1000, cold_fractions=(0.5, 0.875)) == {2400: "anchor"}
 
 
-def test_a_pool_of_fewer_than_100_checkpoints_keeps_no_cold_checkpoints():
+def test_a_slot_share_under_32_checkpoints_keeps_no_cold_checkpoints():
     from atom_hybrid_cache.core.pool_budget import affordable_cold_fractions
-    assert affordable_cold_fractions((0.5, 0.875), 100 * 384, 384) == (0.5, 0.875)
-    assert affordable_cold_fractions((0.5, 0.875), 100 * 384 - 1, 384) == ()
+    assert affordable_cold_fractions((0.5, 0.875), 32 * 384, 384) == (0.5, 0.875)
+    assert affordable_cold_fractions((0.5, 0.875), 32 * 384 - 1, 384) == ()
     # a checkpoint of unknown cost: no limit
     assert affordable_cold_fractions((0.5,), 10, 0) == (0.5,)
 
@@ -207,31 +207,33 @@ def test_the_core_manager_drops_an_unaffordable_cold_checkpoints_and_says_so():
     from atom_hybrid_cache.core.manager import HybridCacheManager
     said = []
     cold = PlacementConfig(cold_fractions=(0.5, 0.875))
-    # 64 blocks of 16 tokens: 1,008 tokens of KV; a checkpoint of 16 is 63 of them
-    small = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=64, placement=cold,
+    # 64 blocks of 16 tokens: 1,008 tokens of KV, 504 a slot of two; a
+    # checkpoint of 16 is 31 of them
+    small = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=64, max_num_seqs=2, placement=cold,
                                                 checkpoint_kv_tokens=16), warn=said.append)
     assert small.policy.placement.cold_fractions == ()
-    assert said == ["cold checkpoints off: the KV pool (1,008 tokens) holds 63 checkpoints' worth, "
-                    "under 100"]
-    roomy = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=128, placement=cold,
+    assert said == ["cold checkpoints off: a request slot's share of the KV pool (504 tokens) "
+                    "holds 31 checkpoints' worth, under 32"]
+    roomy = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=66, max_num_seqs=2, placement=cold,
                                                 checkpoint_kv_tokens=16), warn=said.append)
     assert roomy.policy.placement.cold_fractions == (0.5, 0.875) and len(said) == 1
 
 
-def test_a_small_pool_drops_the_floor_states_too_and_names_what_it_dropped():
+def test_a_small_share_drops_the_floor_states_too_and_names_what_it_dropped():
     from atom_hybrid_cache.config import PlacementConfig
     from atom_hybrid_cache.core.pool_budget import drop_unaffordable
     said = []
     cold = PlacementConfig(cold_fractions=(0.5,))
     floors = (0.25, 0.5)
-    assert drop_unaffordable(cold, floors, 100 * 384, 384, said.append) == (cold, floors)
+    assert drop_unaffordable(cold, floors, 32 * 384, 384, said.append) == (cold, floors)
     assert said == []
-    small, small_floors = drop_unaffordable(cold, floors, 99 * 384, 384, said.append)
+    small, small_floors = drop_unaffordable(cold, floors, 31 * 384, 384, said.append)
     assert (small.cold_fractions, small_floors) == ((), ())
-    assert said == ["cold checkpoints and floor states off: the KV pool (38,016 tokens) holds 99 "
-                    "checkpoints' worth, under 100"]
+    assert said == ["cold checkpoints and floor states off: a request slot's share of the KV "
+                    "pool (11,904 tokens) holds 31 checkpoints' worth, under 32"]
     assert drop_unaffordable(PlacementConfig(), (0.5,), 10 * 384, 384, said.append)[1] == ()
-    assert said[-1].startswith("floor states off: the KV pool (3,840 tokens)")
+    assert said[-1].startswith("floor states off: a request slot's share of the KV pool "
+                               "(3,840 tokens)")
 
 
 def test_a_warm_prompt_or_the_default_keeps_none():

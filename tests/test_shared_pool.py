@@ -272,7 +272,8 @@ def test_in_the_simulator_the_gate_keeps_the_resume():
 
 
 def test_a_waiting_request_holds_its_floor_and_gives_it_back_in_its_units():
-    """Floors need 100 checkpoints' worth (a 101-page pool). B (41 tokens)
+    """Floors need a slot share of 32 checkpoints' worth (here 100: one
+    slot, a 101-page pool). B (41 tokens)
     in the window: tops 10 and 20; no state at or below 10, the state at
     16 (page 3) under 20: B holds it (one page of the 101 // 16 = 6 the
     floors may take). It goes back in B's release, in the unit at 16 below

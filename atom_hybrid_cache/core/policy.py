@@ -24,12 +24,12 @@ class CheckpointPolicy:
         `pool_kv_tokens`: the whole pool's KV tokens; `checkpoint_kv_tokens`:
         how many tokens of KV one checkpoint's bytes would hold (0:
         unknown); `floor_fractions`: the server's floor states, dropped
-        with the cold checkpoints where the pool cannot afford them
+        with the cold checkpoints where a slot's share cannot afford them
         (`self.floor_fractions`). `warn` says what was snapped or dropped
         (`budget_warn`, if given, what was dropped)."""
         self.interval = snap_interval(placement.interval_tokens, block_size, warn)
         self.placement, self.floor_fractions = drop_unaffordable(
-            placement, floor_fractions, pool_kv_tokens, checkpoint_kv_tokens, budget_warn or warn)
+            placement, floor_fractions, kv_share_tokens, checkpoint_kv_tokens, budget_warn or warn)
         self.block_size = block_size
         self.kv_share_tokens = kv_share_tokens
         self.pool_kv_tokens = pool_kv_tokens

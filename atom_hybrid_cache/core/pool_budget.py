@@ -1,13 +1,18 @@
-"""The pool's size counted in checkpoints, and what a small pool goes without.
+"""What a pool can afford: insurance states priced against a request slot's share.
 
 A checkpoint costs the KV of `checkpoint_kv_tokens` tokens (its bytes over
 the KV bytes per token). The cold checkpoints' and the floors' states are
-insurance, most never read, and each takes its pages from the live
-prefixes; the admission gate holds requests to protect prefixes. On the
-measured pools of 21 and 30 checkpoints' worth the ladder cost a fifth to a
-third of their hits and the gate 7% and 18%; from 150 up (every other
-workload measured) both gained. So a pool under MIN_POOL_CHECKPOINTS runs
-without them.
+insurance, most never read: a live request holds up to two floors and a
+conversation's start two cold checkpoints, four states beside its anchor,
+each taken from the live prefixes of the requests sharing the pool. They
+pay while they stay a small part of what one request slot holds: so they
+run where a slot's share of the pool (the pool over `max_num_seqs`) holds
+at least MIN_SLOT_CHECKPOINTS checkpoints' worth, four states being an
+eighth of it. The line was a fixed pool of 100 checkpoints' worth; on the
+small-pool sweep (84 cells, 30 to 1000 checkpoints' worth, 2 to 8 in
+flight; BENCHMARKS.md, "Small pools") the slot share turns them off in the
+100-checkpoint cells run 4 and 8 in flight, where they cost up to 3.2
+points at 1.0x, and keeps them from 200 up, where they gain.
 """
 
 from __future__ import annotations
@@ -15,47 +20,74 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-MIN_POOL_CHECKPOINTS = 100
+# a request slot's share of the pool, in checkpoints' worth, from which the
+# insurance states (floors, cold checkpoints: four per slot) are an eighth
+MIN_SLOT_CHECKPOINTS = 32
+# The admission gate's `auto` stays off in a pool under this many
+# checkpoints' worth. Not from the arithmetic above: the gate takes no
+# pages, and at every size of the small-pool sweep (outputs of one token)
+# it kept the plugin at or above vLLM's own caching where off it was not;
+# but on the scheduler bench's sample (2 slots, 30 checkpoints' worth, 32
+# output tokens a request) it lost 19% of the hits and fell below native,
+# and why is not established (BENCHMARKS.md, "Small pools").
+MIN_GATE_POOL_CHECKPOINTS = 100
 
 
 def pool_checkpoints(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> int:
-    """How many checkpoints' worth of KV the pool holds (0 when a
-    checkpoint's cost is unknown)."""
+    """How many checkpoints' worth of KV `pool_kv_tokens` tokens hold (0
+    when a checkpoint's cost is unknown)."""
     return pool_kv_tokens // checkpoint_kv_tokens if checkpoint_kv_tokens else 0
 
 
 def pool_under_minimum(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> bool:
     """Whether a pool of `pool_kv_tokens` tokens of KV holds fewer than
-    MIN_POOL_CHECKPOINTS checkpoints of `checkpoint_kv_tokens` (0: unknown,
-    never under)."""
+    MIN_GATE_POOL_CHECKPOINTS checkpoints of `checkpoint_kv_tokens` (0:
+    unknown, never under): the admission gate's `auto` line."""
     return bool(checkpoint_kv_tokens) and (
-        pool_kv_tokens < MIN_POOL_CHECKPOINTS * checkpoint_kv_tokens)
+        pool_kv_tokens < MIN_GATE_POOL_CHECKPOINTS * checkpoint_kv_tokens)
 
 
-def under_minimum_reason(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> str:
-    """The log's reason for going without: 'the KV pool (N tokens) holds
-    M checkpoints' worth, under 100'."""
+def pool_under_minimum_reason(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> str:
+    """The log's reason for the gate's `auto` staying off: 'the KV pool (N
+    tokens) holds M checkpoints' worth, under 100'."""
     return (f"the KV pool ({pool_kv_tokens:,} tokens) holds "
             f"{pool_checkpoints(pool_kv_tokens, checkpoint_kv_tokens)} checkpoints' worth, "
-            f"under {MIN_POOL_CHECKPOINTS}")
+            f"under {MIN_GATE_POOL_CHECKPOINTS}")
 
 
-def affordable_cold_fractions(fractions: tuple, pool_kv_tokens: int,
+def slot_under_minimum(kv_share_tokens: int, checkpoint_kv_tokens: int) -> bool:
+    """Whether one request slot's share of the pool (`kv_share_tokens` of
+    KV) holds fewer than MIN_SLOT_CHECKPOINTS checkpoints of
+    `checkpoint_kv_tokens` (0: unknown, never under)."""
+    return bool(checkpoint_kv_tokens) and (
+        kv_share_tokens < MIN_SLOT_CHECKPOINTS * checkpoint_kv_tokens)
+
+
+def under_minimum_reason(kv_share_tokens: int, checkpoint_kv_tokens: int) -> str:
+    """The log's reason for going without: 'a request slot's share of the
+    KV pool (N tokens) holds M checkpoints' worth, under 32'."""
+    return (f"a request slot's share of the KV pool ({kv_share_tokens:,} tokens) holds "
+            f"{pool_checkpoints(kv_share_tokens, checkpoint_kv_tokens)} checkpoints' worth, "
+            f"under {MIN_SLOT_CHECKPOINTS}")
+
+
+def affordable_cold_fractions(fractions: tuple, kv_share_tokens: int,
                               checkpoint_kv_tokens: int) -> tuple:
-    """`fractions`, or () where the pool is under the minimum."""
-    return () if pool_under_minimum(pool_kv_tokens, checkpoint_kv_tokens) else fractions
+    """`fractions`, or () where a slot's share is under the minimum."""
+    return () if slot_under_minimum(kv_share_tokens, checkpoint_kv_tokens) else fractions
 
 
-def drop_unaffordable(placement, floor_fractions: tuple, pool_kv_tokens: int,
+def drop_unaffordable(placement, floor_fractions: tuple, kv_share_tokens: int,
                       checkpoint_kv_tokens: int, warn: Callable[[str], None]):
-    """(`placement`, `floor_fractions`) without the cold checkpoints and the floor
-    states where the pool cannot afford them, saying so through `warn`."""
+    """(`placement`, `floor_fractions`) without the cold checkpoints and the
+    floor states where a slot's share cannot afford them, saying so
+    through `warn`."""
     dropped = [name for name, fractions in (("cold checkpoints", placement.cold_fractions),
                                             ("floor states", floor_fractions))
-               if fractions and not affordable_cold_fractions(fractions, pool_kv_tokens,
+               if fractions and not affordable_cold_fractions(fractions, kv_share_tokens,
                                                               checkpoint_kv_tokens)]
     if not dropped:
         return placement, floor_fractions
     warn(f"{' and '.join(dropped)} off: "
-         f"{under_minimum_reason(pool_kv_tokens, checkpoint_kv_tokens)}")
+         f"{under_minimum_reason(kv_share_tokens, checkpoint_kv_tokens)}")
     return dataclasses.replace(placement, cold_fractions=()), ()

@@ -38,8 +38,8 @@ def diagnose_shared_pool(s: dict) -> Diagnosis:
             "binds: state - KV prefixes were held with no state at their end; in vLLM's one "
             "pool a state leaves with its KV, so these states were never placed there or were "
             "taken first: keep the cold checkpoints and floor states on (ATOM_STATE_CHECKPOINT_COLD, "
-            "ATOM_STATE_CHECKPOINT_FLOOR; a pool under 100 checkpoints' worth goes without "
-            "them), or add states inside long prompts (ATOM_STATE_CHECKPOINT_SPAN=0.5,0.875)")
+            "ATOM_STATE_CHECKPOINT_FLOOR; where a request slot's share of the pool is under 32 "
+            "checkpoints' worth the server goes without them), or add states inside long prompts (ATOM_STATE_CHECKPOINT_SPAN=0.5,0.875)")
     else:
         binds = "kv"
         lines.append(

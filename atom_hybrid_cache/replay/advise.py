@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 from ..config import (ENV_VARS, MAX_HASH_UNIT_TOKENS, SERVER_ADMISSION_GATE,
                       SERVER_COLD_FRACTIONS, SERVER_FLOOR_FRACTIONS, Settings, load_settings,
                       server_defaults)
-from ..core.pool_budget import MIN_POOL_CHECKPOINTS, pool_checkpoints
+from ..core.pool_budget import MIN_GATE_POOL_CHECKPOINTS, MIN_SLOT_CHECKPOINTS, pool_checkpoints
 from ..core.shared_pool_manager import SharedPoolShape, shared_pool_policy
 from .policies import build_policies
 from .simulator import SimSettings
@@ -76,8 +76,8 @@ PLACEMENT_AXES = (
 )
 HASH_UNITS = (PLUGIN_HASH_UNIT, PAGE_UNIT)
 # The second stage, around the first stage's choice, where the planner runs
-# them (each doubles the grid, and under 100 checkpoints' worth `auto` and
-# the floors are off, so half of it would repeat).
+# them (each doubles the grid, and where a slot's share is under 32
+# checkpoints' worth the floors are off, so part of it would repeat).
 SERVER_AXES = (
     ("gate", "server", "admission_gate", (SERVER_ADMISSION_GATE, "on", "off")),
     ("floor", "server", "floor_fractions", (SERVER_FLOOR_FRACTIONS, ())),
@@ -318,7 +318,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
 
     def effective(c: Candidate) -> tuple:
         """What the pool makes of a candidate's settings: candidates equal
-        here (the cold checkpoints, floors and `auto` gate off under 100
+        here (the cold checkpoints and floors off where a request slot's
+        share is under 32 checkpoints' worth, the `auto` gate under 100
         checkpoints' worth, `core/pool_budget.py`) run once."""
         unit = units[c.hash_unit]
         settings = c.settings()
@@ -432,14 +433,17 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
         lines.append(f"not swept, run by the planner at default: {listed(modelled)}")
     switched = {"admission_gate", "floor_fractions"} & {f[1] for f in missing}
     where = ""
-    if switched:
-        what = " and ".join(sorted({"admission_gate": "the gate",
-                                    "floor_fractions": "the floors"}[n] for n in switched))
-        where = (f"; the server turns {what} on at this pool (at least {MIN_POOL_CHECKPOINTS} "
-                 "checkpoints' worth), so its figure may differ"
-                 if a.pool_checkpoints >= MIN_POOL_CHECKPOINTS else
-                 f"; under {MIN_POOL_CHECKPOINTS} checkpoints' worth the server keeps {what} "
-                 "off, as the planner does")
+    if "admission_gate" in switched:
+        where += (f"; the server gates a pool of at least {MIN_GATE_POOL_CHECKPOINTS} checkpoints' "
+                  f"worth (here {a.pool_checkpoints}), "
+                  + ("so its figure may differ" if a.pool_checkpoints >= MIN_GATE_POOL_CHECKPOINTS
+                     else "and not this one, as the planner does"))
+    if "floor_fractions" in switched:
+        slot = a.pool_checkpoints // concurrency
+        where += (f"; the server holds floors where a request slot's share is at least "
+                  f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth (here {slot}), "
+                  + ("so its figure may differ" if slot >= MIN_SLOT_CHECKPOINTS
+                     else "and keeps them off here, as the planner does"))
     lines.append(f"not modelled, left at default: {listed(missing)}{where}")
     d = a.default
     if a.recommended is d:

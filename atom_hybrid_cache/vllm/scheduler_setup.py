@@ -18,7 +18,7 @@ from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings,
 from ..core.planner import CheckpointPlanner
 from ..core.policy import CheckpointPolicy
 from ..core.gate_steps import gate_on
-from ..core.pool_budget import under_minimum_reason
+from ..core.pool_budget import pool_under_minimum_reason
 from ..core.tail_price import describe_price
 from . import private_api
 from .admission_gate import AdmissionGate
@@ -168,8 +168,8 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
         # (the rule the planner's model of the plugin applies too)
         if not gate_on(mode, policy.pool_kv_tokens, policy.checkpoint_kv_tokens):
             logger.warning("atom_hybrid_cache: admission gate off (auto): %s",
-                           under_minimum_reason(policy.pool_kv_tokens,
-                                                policy.checkpoint_kv_tokens))
+                           pool_under_minimum_reason(policy.pool_kv_tokens,
+                                                     policy.checkpoint_kv_tokens))
             return None
     return AdmissionGate(stats)
 

@@ -25,7 +25,7 @@ POOL_MULTIPLE = 0.83
 # the same figures as the model runs (see the module docstring)
 # The server's admission gate (ATOM_ADMISSION_GATE=auto, its default since
 # 2026-12-01, later) stays off in the elided workload's 63-page pool (20
-# checkpoints' worth, under core.pool_budget.MIN_POOL_CHECKPOINTS; with the
+# checkpoints' worth, under core.pool_budget.MIN_GATE_POOL_CHECKPOINTS; with the
 # gate on there the plugin keeps 14,720 and 17,664 with hits-first) and is
 # on in the scaled workload's 599 (199): 783,904 there with vLLM's admission
 # (plugin-ungated, pinned below), the default before.

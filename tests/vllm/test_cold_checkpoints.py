@@ -6,9 +6,9 @@ A prompt computed from scratch keeps states at 0.5 and 0.875 of its length
 besides its end, so a later prompt that keeps only part of it (a compaction
 that keeps the system prompt and tools, a retry) resumes there instead of at
 0. A position under `placement.COLD_MIN_SAVING` checkpoints' worth of KV
-(4 x 1,344 = 5,376 tokens) gets none, and a pool under
-`pool_budget.MIN_POOL_CHECKPOINTS` checkpoints' worth runs without
-them. `ATOM_STATE_CHECKPOINT_COLD=` (empty) turns it off.
+(4 x 1,344 = 5,376 tokens) gets none, and a pool whose request slot's
+share holds under `pool_budget.MIN_SLOT_CHECKPOINTS` checkpoints' worth runs
+without them. `ATOM_STATE_CHECKPOINT_COLD=` (empty) turns it off.
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ def test_other_fractions_are_taken_as_given(make_plugin_scheduler, monkeypatch):
 
 def test_a_pool_of_few_checkpoints_runs_without_them(make_plugin_scheduler, monkeypatch,
                                                      caplog):
-    # 2.5 GiB: 91 pages, 40,320 tokens of KV, 30 checkpoints' worth
+    # 2.5 GiB: 91 pages, 40,320 tokens of KV, 30 checkpoints' worth, 15 a slot (2)
     with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
         states, resumed = _serve(make_plugin_scheduler, monkeypatch, None, budget_gib=2.5)
     assert states == VLLM_OWN and resumed == 0
-    assert ("cold checkpoints off: the KV pool (40,320 tokens) holds 30 checkpoints' worth, under 100"
-            in caplog.text)
+    assert ("cold checkpoints off: a request slot's share of the KV pool (20,160 tokens) holds 15 "
+            "checkpoints' worth, under 32" in caplog.text)
