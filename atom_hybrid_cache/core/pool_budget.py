@@ -28,8 +28,10 @@ MIN_SLOT_CHECKPOINTS = 32
 # pages, and at every size of the small-pool sweep (outputs of one token)
 # it kept the plugin at or above vLLM's own caching where off it was not;
 # but on the scheduler bench's sample (2 slots, 30 checkpoints' worth, 32
-# output tokens a request) it lost 19% of the hits and fell below native,
-# and why is not established (BENCHMARKS.md, "Small pools").
+# output tokens a request) it lost 19% of the hits and fell below native:
+# it kept a request of 60 of the 91 pages waiting 139 steps while the other
+# lane's turns went through, and that request then resumed at 0 instead of
+# at 26,304 tokens (BENCHMARKS.md, "Small pools").
 MIN_GATE_POOL_CHECKPOINTS = 100
 
 
