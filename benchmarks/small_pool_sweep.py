@@ -124,6 +124,17 @@ def pick_shape(shapes: Shapes, pool_pages: int, multiple: float):
     return None if best is None else best[1:]
 
 
+def cell_workload(subset: int, checkpoints: int, multiple: float,
+                  traces_fitting: int = 128000, count: int = 3, size: int = 8):
+    """One cell's workload, as `main` builds it: (convs, lock-step
+    workload, pool pages, in flight); the tests that pin cells use it."""
+    shapes = Shapes(subsets(traces_fitting, count, size)[subset], None)
+    pool = checkpoints * CHECKPOINT_PAGES
+    tokens_per_id, in_flight, _ = pick_shape(shapes, pool, multiple)
+    convs, w = shapes.workload(tokens_per_id, in_flight)
+    return convs, w, pool, in_flight
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoints", default=",".join(map(str, CHECKPOINTS)),

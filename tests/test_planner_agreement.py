@@ -84,12 +84,8 @@ def test_a_hash_unit_inside_the_page(agreement, monkeypatch):
                                                   BENCH / "small_pool_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
-    groups = sweep.subsets(128000, 3, 8)
     for (subset, checkpoints, multiple), want in SWEEP_CELLS.items():
-        shapes = sweep.Shapes(groups[subset], None)
-        pool = checkpoints * sweep.CHECKPOINT_PAGES
-        tokens_per_id, in_flight, _ = sweep.pick_shape(shapes, pool, multiple)
-        convs, w = shapes.workload(tokens_per_id, in_flight)
+        convs, w, pool, in_flight = sweep.cell_workload(subset, checkpoints, multiple)
         cell = dict(pool_pages=pool, in_flight=in_flight)
         got = {p: sweep.planner_cached(p, convs, w, cell) for p in want}
         assert got == want, (subset, checkpoints, multiple)

@@ -274,13 +274,14 @@ class SharedPoolManager:
         mid_page = hit % P != 0
         junction = reach // P * P if reach > hit else 0
         budget = L if budget is None else budget
-        if not self._chunk(hit, L, budget, self._vllm_positions(L, hit, junction)):
+        own = self._vllm_positions(L, hit, junction)
+        if not self._chunk(hit, L, budget, own):
             # the step's budget left no whole page past the hit: vLLM stops
             # admitting this step (its align split gives 0 tokens, and the
             # adapter plans nothing) and takes no reference, so the next
             # step's allocations may evict the hit
             return None
-        keep = self._kept_positions(req.request_id, L, hashes, hit, junction,
+        keep = self._kept_positions(req.request_id, L, hashes, hit, own,
                                     full_reach=max(hit, len(full) * P))
         first_end = hit + self._chunk(hit, L, budget, keep)
         # KV pages past the hit's whole pages (a mid-page hit's page is
@@ -331,11 +332,10 @@ class SharedPoolManager:
             self.planner.admitted(req.request_id, hit)
         return Admission(hit, reusable, kv_reach, kv_reach, "state" if hit else None)
 
-    def _kept_positions(self, rid, L: int, hashes, hit: int, junction: int,
+    def _kept_positions(self, rid, L: int, hashes, hit: int, own: dict,
                         full_reach: int) -> dict:
-        """Position -> kind of every state this prefill keeps: vLLM's (the
-        last page boundary and hash-unit boundary before the prompt's last
-        token, the junction) and the planner's."""
+        """Position -> kind of every state this prefill keeps: the
+        planner's and vLLM's `own` (`_vllm_positions`)."""
         keep = {}
         if self.planner is not None:
             # as the adapter (vllm/admission.chunk_tokens): a request that
@@ -344,7 +344,7 @@ class SharedPoolManager:
             if plan is None or plan.hit != hit:
                 plan = self.planner.plan(rid, L, hashes, hit=hit, kv_reach=full_reach)
             keep.update(plan.kinds)
-        for pos, kind in self._vllm_positions(L, hit, junction).items():
+        for pos, kind in own.items():
             keep.setdefault(pos, kind)
         return keep
 

@@ -190,12 +190,8 @@ def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env,
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
     E = pressure_bench
-    groups = sweep.subsets(128000, 3, 8)
     for (subset, checkpoints, multiple), want in SWEEP_CELLS.items():
-        shapes = sweep.Shapes(groups[subset], None)
-        pool = checkpoints * sweep.CHECKPOINT_PAGES
-        tokens_per_id, in_flight, _ = sweep.pick_shape(shapes, pool, multiple)
-        convs, w = shapes.workload(tokens_per_id, in_flight)
+        convs, w, pool, in_flight = sweep.cell_workload(subset, checkpoints, multiple)
         got = {}
         for policy in want:
             # +1: vLLM's null block
