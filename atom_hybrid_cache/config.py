@@ -326,8 +326,8 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "on: a waiting request whose prefill would evict the cached prefixes of the requests "
         f"waiting with it waits for the running ones to finish ({ADMISSION_GATE_MAX_HOLD_STEPS} "
         "steps at most), and those prefixes cannot be evicted while a step is scheduled; off: "
-        "vLLM's admission; auto (a vLLM server's default): on for a hybrid model whose KV pool "
-        "holds at least 100 checkpoints' worth, off otherwise"),
+        "vLLM's admission; auto (a vLLM server's default): on for a hybrid model whose states the "
+        "plugin manages, off otherwise"),
     "ATOM_ENABLE_REPLAYSSM": (
         "server", "replayssm", _parse_switch,
         "1: one state page per request under speculative decoding, not 1 + k (environment "

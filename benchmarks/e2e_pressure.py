@@ -16,8 +16,8 @@ with it; ``plugin-no-floor`` and ``plugin-no-floor-gated-hits-first`` without
 its floor states (``ATOM_STATE_CHECKPOINT_FLOOR=``). ``plugin-block-unit``
 hashes prefixes on the block, as vLLM's default does
 (``prefix_match_unit`` = the block). The server's admission
-gate is ``auto`` by default (2026-12-01, later: on in a pool of at least 100
-checkpoints' worth): ``plugin-gated`` sets ``ATOM_ADMISSION_GATE=on``,
+gate is ``auto`` by default (2026-12-01; on at every pool size since
+2026-12-03): ``plugin-gated`` sets ``ATOM_ADMISSION_GATE=on``,
 ``plugin-ungated`` and
 ``plugin-ungated-hits-first`` switch it off (vLLM's admission, the default
 before), ``plugin-gated-hits-first`` both admission settings;

@@ -266,9 +266,10 @@ def test_in_the_simulator_the_gate_keeps_the_resume():
     """A 5-token X went beside A in the first round. Without the gate C's
     chunks take A's units from the LRU head before B is reached: B resumes
     on nothing. With it C waits out both steps of B's prefill (32-40, then
-    its last token) and B resumes at 32."""
+    its last token) and B resumes at 32. Only the first hold counts: in
+    the second B's pages leave the pool no room for C either."""
     assert _round_hits("off") == (0, 0)
-    assert _round_hits("on") == (32, 2)
+    assert _round_hits("on") == (32, 1)
 
 
 def test_a_waiting_request_holds_its_floor_and_gives_it_back_in_its_units():
@@ -293,21 +294,19 @@ def test_a_waiting_request_holds_its_floor_and_gives_it_back_in_its_units():
     assert list(mgr.pool._free)[-3:] == [3, 2, 1]
 
 
-def test_an_overdue_request_beside_the_pins_waits_for_the_ungated_step():
+def test_an_overdue_request_takes_its_room_from_the_held_prefixes():
     """Nothing runs, a 64-token step; C (48 cold tokens: 6 + 2 pages for
     the gate) was held as long as it may be, B (hit 32) fits. C goes first
-    and takes the room
-    (6 - 8): B is held and its 5 hit pages stay pinned, so C's 6 KV pages
-    and a state page do not fit the 6 free: vLLM schedules nothing, the
-    gate stalls, and the next step, ungated, admits C. (The simulator waits
-    for that step instead of dropping C as larger than the pool.)"""
+    and takes the room (6 - 8 = -2): B is held, and its prefix gives up two
+    pages for C, from the top (3 of its 5 hit pages stay pinned), so C is
+    admitted in this step. Before, all 5 stayed pinned, C's pages did not
+    fit, vLLM scheduled nothing and C waited for the next, ungated step."""
     mgr = _manager(12, max_num_seqs=2, step_tokens=64, admission_gate="on")
     _serve(mgr, _request("a", A))
     mgr.window.max_hold_steps = 1
     mgr.window.gate._holds = {"c": 1}
     b, c = _request("b", B), _request("c", list(range(2000, 2048)))
     assert mgr.open_step([c, b], []) == [b]
-    assert mgr.admit(c, 64) is None and mgr.step_gated()
-    mgr.close_step(0)
-    assert mgr.open_step([b, c], []) == [] and not mgr.step_gated()
-    assert mgr.admit(c, 64) is not None
+    assert mgr.window._decision.pinned == [4, 2, 1]
+    adm = mgr.admit(c, 64)
+    assert adm is not None and adm.hit_tokens == 0 and mgr.step_gated()

@@ -55,21 +55,23 @@ class GateCandidate:
 
 
 def decide(candidates: Sequence[GateCandidate], room: int, token_budget: int,
-           anything_running: bool) -> tuple[list[int], bool]:
+           anything_running: bool) -> tuple[list[int], bool, int]:
     """(indices of the candidates held this step, whether a lone one goes
-    and evicts what it must).
+    and evicts what it must, the room left).
 
     In queue order, a candidate that fits the `room` (evictable pages
     outside the protected prefixes, less the running requests' reserve)
-    goes and takes its pages from it; one that does not is held. Those
-    past the step's `token_budget` are not reached by vLLM this step. With
-    nothing running and nothing fitting, the one needing the fewest pages
-    (the first overdue one, if any) goes alone, so the queue always moves."""
+    goes and takes its pages from it; one that does not is held, unless it
+    is overdue: it goes all the same, and a room left below zero is what
+    the held candidates' prefixes must give up for it. Those past the
+    step's `token_budget` are not reached by vLLM this step. With nothing
+    running and nothing fitting, the one needing the fewest pages (the
+    first overdue one, if any) goes alone, so the queue always moves."""
     if not anything_running and all(c.need > room for c in candidates):
         late = [i for i, c in enumerate(candidates) if c.overdue]
         first = late[0] if late else min(range(len(candidates)),
                                          key=lambda i: candidates[i].need)
-        return [i for i in range(len(candidates)) if i != first], True
+        return [i for i in range(len(candidates)) if i != first], True, room
     held = []
     for i, c in enumerate(candidates):
         if token_budget <= 0:
@@ -79,4 +81,4 @@ def decide(candidates: Sequence[GateCandidate], room: int, token_budget: int,
             continue
         room -= c.need
         token_budget -= c.tokens
-    return held, False
+    return held, False, room

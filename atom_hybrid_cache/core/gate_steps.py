@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .admission import GateCandidate, decide
-from .pool_budget import pool_under_minimum
 from .stats import CacheStats
 
 
@@ -54,26 +53,38 @@ def protected_pages(candidates: Sequence, key: Callable) -> dict:
 
 def unprotect_last(hit_pages: Sequence, protected: dict, room: int, key: Callable) -> int:
     """What runs must finish: the last candidates' prefixes (`hit_pages`,
-    per candidate the pages of each group) lose their protection first,
-    until the running requests' reserve fits; the room left."""
+    per candidate the pages of each group, bottom up) lose their protection
+    first, until the running requests' reserve fits; the room left.
+
+    A prefix loses its pages top down, every group's top together: the hit
+    then falls back to a lower boundary that may still hold a state, where
+    losing its bottom pages would leave nothing of it usable."""
     for groups in reversed(hit_pages):
-        for group in groups:
-            for p in group:
-                if room < 0 and protected.pop(key(p), None) is not None:
+        depth = max((len(g) for g in groups), default=0)
+        for d in range(1, depth + 1):
+            for group in groups:
+                if room >= 0:
+                    return room
+                if d <= len(group) and protected.pop(key(group[-d]), None) is not None:
                     room += 1
     return room
 
 
 def gate_step(candidates: Sequence, protected: dict, room: int, token_budget: int,
-              anything_running: bool, overdue=frozenset()) -> tuple[list, list]:
-    """(indices held, pages pinned). `candidates` have `request_id`, `need`
-    and `tokens`; `overdue`: ids of requests held too long to be held
-    again."""
-    held, alone = decide([GateCandidate(c.need, c.tokens, c.request_id in overdue)
-                          for c in candidates], room, token_budget, anything_running)
+              anything_running: bool, overdue=frozenset(), key: Callable = lambda p: p
+              ) -> tuple[list, list]:
+    """(indices held, pages pinned). `candidates` have `request_id`, `need`,
+    `tokens` and `hit_pages`; `overdue`: ids of requests held too long to be
+    held again."""
+    held, alone, room = decide([GateCandidate(c.need, c.tokens, c.request_id in overdue)
+                                for c in candidates], room, token_budget, anything_running)
     if alone:
         # the lone request evicts what it must: nothing is pinned
         return held, []
+    if room < 0:
+        # an overdue request goes: the held ones' prefixes make its room,
+        # or vLLM would find the pool pinned full and schedule nothing
+        unprotect_last([candidates[i].hit_pages for i in held], protected, room, key)
     # given back in reverse: the last request's top pages end up nearest
     # the LRU head, as vLLM frees a request's pages tail first
     return held, list(protected.values())[::-1]
@@ -118,17 +129,23 @@ class GateSteps:
         if room < 0:
             room = unprotect_last([c.hit_pages for c in candidates], protected, room, key)
         held, pinned = gate_step(candidates, protected, room, token_budget, anything_running,
-                                 overdue)
+                                 overdue, key)
         # only what this step pins is safe from its allocations (a step in
         # which the smallest request goes alone pins nothing)
         pinned_keys = {key(p) for p in pinned}
         self._lookups = {c.request_id: (c.hit_pages, c.hit) for c in candidates
                          if all(key(p) in pinned_keys for p in c.evictable)}
-        if held:
-            for i in held:
+        # a hold counts toward the limit only where vLLM would have admitted
+        # the request (its new pages and its unreferenced hit pages free):
+        # one the pool cannot take yet is not starved by the gate, and
+        # counting it would make it overdue just as it fits
+        counted = [i for i in held
+                   if candidates[i].need + len(candidates[i].evictable) <= free_pages]
+        if counted:
+            for i in counted:
                 rid = candidates[i].request_id
                 self._holds[rid] = self._holds.get(rid, 0) + 1
-            self.stats.record_gate_step([self._holds[candidates[i].request_id] for i in held])
+            self.stats.record_gate_step([self._holds[candidates[i].request_id] for i in counted])
         return GateDecision(pinned, held)
 
     def end(self, decision: Optional[GateDecision], scheduled_tokens: Optional[int]) -> None:
@@ -139,11 +156,13 @@ class GateSteps:
                          and not scheduled_tokens)
 
 
-def gate_on(mode: str, pool_kv_tokens: int, checkpoint_kv_tokens: int) -> bool:
-    """Whether `ATOM_ADMISSION_GATE=mode` gates a plugin pool of
-    `pool_kv_tokens` tokens of KV whose checkpoint costs the KV of
-    `checkpoint_kv_tokens`: `auto` where the pool affords it
-    (`pool_budget`), as `vllm/scheduler_setup.py` decides it."""
-    if mode == "off":
-        return False
-    return mode != "auto" or not pool_under_minimum(pool_kv_tokens, checkpoint_kv_tokens)
+def gate_on(mode: str) -> bool:
+    """Whether `ATOM_ADMISSION_GATE=mode` gates a pool whose states the
+    plugin manages: `auto` is on at every pool size, as
+    `vllm/scheduler_setup.py` decides it. It was off under 100 checkpoints'
+    worth while a held request could lose its own prefix (its bottom pages
+    unprotected for the running reserve) and a hold the pool forced counted
+    toward the limit; with both mended it gains on every point of the
+    scheduler bench's sample and leaves one cell of the 84-cell small-pool
+    sweep below native where off left 11 (BENCHMARKS.md, "Small pools")."""
+    return mode != "off"

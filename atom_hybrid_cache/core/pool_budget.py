@@ -23,38 +23,12 @@ from typing import Callable
 # a request slot's share of the pool, in checkpoints' worth, from which the
 # insurance states (floors, cold checkpoints: four per slot) are an eighth
 MIN_SLOT_CHECKPOINTS = 32
-# The admission gate's `auto` stays off in a pool under this many
-# checkpoints' worth. Not from the arithmetic above: the gate takes no
-# pages, and at every size of the small-pool sweep (outputs of one token)
-# it kept the plugin at or above vLLM's own caching where off it was not;
-# but on the scheduler bench's sample (2 slots, 30 checkpoints' worth, 32
-# output tokens a request) it lost 19% of the hits and fell below native:
-# it kept a request of 60 of the 91 pages waiting 139 steps while the other
-# lane's turns went through, and that request then resumed at 0 instead of
-# at 26,304 tokens (BENCHMARKS.md, "Small pools").
-MIN_GATE_POOL_CHECKPOINTS = 100
 
 
 def pool_checkpoints(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> int:
     """How many checkpoints' worth of KV `pool_kv_tokens` tokens hold (0
     when a checkpoint's cost is unknown)."""
     return pool_kv_tokens // checkpoint_kv_tokens if checkpoint_kv_tokens else 0
-
-
-def pool_under_minimum(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> bool:
-    """Whether a pool of `pool_kv_tokens` tokens of KV holds fewer than
-    MIN_GATE_POOL_CHECKPOINTS checkpoints of `checkpoint_kv_tokens` (0:
-    unknown, never under): the admission gate's `auto` line."""
-    return bool(checkpoint_kv_tokens) and (
-        pool_kv_tokens < MIN_GATE_POOL_CHECKPOINTS * checkpoint_kv_tokens)
-
-
-def pool_under_minimum_reason(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> str:
-    """The log's reason for the gate's `auto` staying off: 'the KV pool (N
-    tokens) holds M checkpoints' worth, under 100'."""
-    return (f"the KV pool ({pool_kv_tokens:,} tokens) holds "
-            f"{pool_checkpoints(pool_kv_tokens, checkpoint_kv_tokens)} checkpoints' worth, "
-            f"under {MIN_GATE_POOL_CHECKPOINTS}")
 
 
 def slot_under_minimum(kv_share_tokens: int, checkpoint_kv_tokens: int) -> bool:

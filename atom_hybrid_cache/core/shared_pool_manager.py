@@ -156,8 +156,7 @@ class SharedPoolManager:
         self.window: Optional[SharedPoolWindow] = None
         if plugin:
             floors = self.policy.floor_fractions if self.policy.reuse_aware else ()
-            gate = gate_on(admission_gate, self.policy.pool_kv_tokens,
-                           self.policy.checkpoint_kv_tokens)
+            gate = gate_on(admission_gate)
             if gate and not shape.step_tokens:
                 raise ValueError("the admission gate's model needs the step's tokens "
                                  "(SharedPoolShape.step_tokens)")

@@ -110,10 +110,11 @@ class SharedPoolWindow:
     def _running_reserve(self, running: Sequence) -> int:
         held = self.manager.held_kv_pages
         kv = len(self.groups) - 1
+        # a decoding request has its prompt's pages: nothing to finish
         return sum(prefill_pages(self.groups, r.prompt_len,
                                  lambda g, r=r: held(r.request_id) if g == kv else 0,
                                  STATE_PAGES_TO_FINISH)
-                   for r in running)
+                   for r in running if r.num_computed < r.prompt_len)
 
     def _token_budget(self, running: Sequence) -> int:
         return self.manager.shape.step_tokens - sum(max(0, r.prompt_len - r.num_computed)

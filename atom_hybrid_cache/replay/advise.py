@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 from ..config import (ENV_VARS, MAX_HASH_UNIT_TOKENS, SERVER_ADMISSION_GATE,
                       SERVER_COLD_FRACTIONS, SERVER_FLOOR_FRACTIONS, Settings, load_settings,
                       server_defaults)
-from ..core.pool_budget import MIN_GATE_POOL_CHECKPOINTS, MIN_SLOT_CHECKPOINTS, pool_checkpoints
+from ..core.pool_budget import MIN_SLOT_CHECKPOINTS, pool_checkpoints
 from ..core.shared_pool_manager import SharedPoolShape, shared_pool_policy
 from .policies import build_policies
 from .simulator import SimSettings
@@ -319,8 +319,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     def effective(c: Candidate) -> tuple:
         """What the pool makes of a candidate's settings: candidates equal
         here (the cold checkpoints and floors off where a request slot's
-        share is under 32 checkpoints' worth, the `auto` gate under 100
-        checkpoints' worth, `core/pool_budget.py`) run once."""
+        share is under 32 checkpoints' worth, `core/pool_budget.py`) run
+        once."""
         unit = units[c.hash_unit]
         settings = c.settings()
         shape = SharedPoolShape(num_pages=layout.num_pages, page_tokens=page, hash_unit=unit,
@@ -330,7 +330,7 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
         gate = None
         if gate_runs:
             from ..core.gate_steps import gate_on
-            gate = gate_on(settings.server.admission_gate, pool_tokens, checkpoint_tokens)
+            gate = gate_on(settings.server.admission_gate)
         return unit, policy.placement, policy.floor_fractions, gate
 
     hits: dict = {}     # effective settings (or "ceiling") -> hit rate per subset
@@ -434,10 +434,7 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
     switched = {"admission_gate", "floor_fractions"} & {f[1] for f in missing}
     where = ""
     if "admission_gate" in switched:
-        where += (f"; the server gates a pool of at least {MIN_GATE_POOL_CHECKPOINTS} checkpoints' "
-                  f"worth (here {a.pool_checkpoints}), "
-                  + ("so its figure may differ" if a.pool_checkpoints >= MIN_GATE_POOL_CHECKPOINTS
-                     else "and not this one, as the planner does"))
+        where += "; the server gates at every pool size, so its figure may differ"
     if "floor_fractions" in switched:
         slot = a.pool_checkpoints // concurrency
         where += (f"; the server holds floors where a request slot's share is at least "

@@ -1,6 +1,6 @@
 """Admission: a waiting prefill that would evict the prefixes the other
 waiting requests are about to read waits (`ATOM_ADMISSION_GATE`, `auto` by
-default: on where the pool holds at least 100 checkpoints' worth).
+default: on where the plugin manages the states).
 
 Why: when a round of resends does not fit the pool, the head of vLLM's LRU
 holds the cached prefixes of the requests still waiting; vLLM's first
@@ -150,12 +150,15 @@ def _page_groups(managers) -> list[PageGroup]:
 
 
 def _running_reserve(managers, running) -> int:
-    """Pages the running requests still take to finish their prefill."""
+    """Pages the running requests still take to finish their prefill (a
+    decoding request has its prompt's pages: none; counting a state page
+    for each kept a request waiting beside free room while decodes grew
+    into its prefix)."""
     groups = _page_groups(managers)
     return sum(prefill_pages(groups, r.num_prompt_tokens,
                              lambda g: len(managers[g].req_to_blocks.get(r.request_id, ())),
                              STATE_PAGES_TO_FINISH)
-               for r in running)
+               for r in running if r.num_computed_tokens < r.num_prompt_tokens)
 
 
 def _token_budget(sched) -> int:
@@ -193,5 +196,5 @@ def _decide(sched, candidates, protected: dict, room: int,
             overdue: frozenset | set = frozenset()) -> GateStep:
     """`overdue`: ids of requests held too long to be held again."""
     held, pinned = gate_step(candidates, protected, room, _token_budget(sched),
-                             bool(sched.running), overdue)
+                             bool(sched.running), overdue, _block_id)
     return GateStep(pinned, [candidates[i].request for i in held])

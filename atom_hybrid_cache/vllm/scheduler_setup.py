@@ -17,8 +17,6 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings, server_defaults
 from ..core.planner import CheckpointPlanner
 from ..core.policy import CheckpointPolicy
-from ..core.gate_steps import gate_on
-from ..core.pool_budget import pool_under_minimum_reason
 from ..core.tail_price import describe_price
 from . import private_api
 from .admission_gate import AdmissionGate
@@ -153,7 +151,7 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
                     stats=None) -> Optional[AdmissionGate]:
     """The admission gate `ATOM_ADMISSION_GATE=mode` asks for, or None.
     `on` needs no state groups (it also serves attention-only models);
-    `auto` needs the policy, for the pool's size in checkpoints. Its holds
+    `auto` gates where the plugin manages the states (`policy`). Its holds
     are counted in `stats` (the planner's: its log lines, the metrics)."""
     if mode == "off":
         return None
@@ -162,15 +160,8 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
             logger.warning("atom_hybrid_cache: ATOM_ADMISSION_GATE=on needs prefix caching "
                            "and vLLM's fcfs scheduling policy; the gate stays open")
         return None
-    if mode == "auto":
-        if policy is None:
-            return None
-        # (the rule the planner's model of the plugin applies too)
-        if not gate_on(mode, policy.pool_kv_tokens, policy.checkpoint_kv_tokens):
-            logger.warning("atom_hybrid_cache: admission gate off (auto): %s",
-                           pool_under_minimum_reason(policy.pool_kv_tokens,
-                                                     policy.checkpoint_kv_tokens))
-            return None
+    if mode == "auto" and policy is None:
+        return None     # auto gates the pools whose states the plugin manages
     return AdmissionGate(stats)
 
 

@@ -250,7 +250,9 @@ def test_evicted_prefixes_resume_from_cpu_and_disk_with_caching_off_outputs(
     assert (nb, len(run.cached)) == (38, 26)
     assert same_as_off(run, reference)
     assert sum(run.cached) == 18_816        # the block oracle at 64-token units
-    assert c["loads_attempted"] == c["loads_completed"] == 20
+    # (20 with the admission gate off: it keeps more of the prefixes in the
+    # pool, so fewer resumes need the store)
+    assert c["loads_attempted"] == c["loads_completed"] == 12
     assert c["loads_failed"] == {}
     assert c["spills_stored"] == c["spills_requested"] > 0
     assert len(disk_reads) > 0 and any(tmp_path.iterdir())
@@ -280,8 +282,9 @@ def test_spills_issued_at_the_end_of_the_step_change_the_outputs(bench, off, mon
     monkeypatch.setattr(AtomLMCacheConnector, "wait_for_save", spill_at_the_end)
     got = run_store(bench, monkeypatch, store_env(nb, page, 4.0))
     print("late spills", sum(got["run"].cached), got["counters"])
-    # (2 loads ran in the step that spilled their state, before it did)
-    assert got["counters"]["loads_completed"] == 18
+    # (with the admission gate off, 2 of 20 loads ran in the step that
+    # spilled their state, before it did; with it, none of the 12)
+    assert got["counters"]["loads_completed"] == 12
     assert not same_as_off(got["run"], reference)
 
 
@@ -307,7 +310,7 @@ def test_poisoned_state_bytes_in_the_store_change_the_outputs(bench, off, monkey
     monkeypatch.setattr(PageStore, "put", put_poisoned_state)
     got = run_store(bench, monkeypatch, store_env(nb, page, 4.0))
     print("poisoned", sum(got["run"].cached), got["counters"])
-    assert got["counters"]["loads_completed"] == 20
+    assert got["counters"]["loads_completed"] == 12
     assert not same_as_off(got["run"], reference)
 
 
@@ -321,7 +324,7 @@ def test_nan_in_unowned_pages_never_reaches_an_output_with_the_connector(bench, 
     got = run_store(bench, monkeypatch, store_env(nb, page, 4.0),
                     after_round=poison_unowned_pages, before=poison_unowned_pages)
     print("nan", sum(got["run"].cached), got["counters"])
-    assert got["counters"]["loads_completed"] == 20
+    assert got["counters"]["loads_completed"] == 12
     assert sum(got["run"].cached) == 18_816
     assert same_as_off(got["run"], reference)
 
@@ -371,11 +374,13 @@ def test_a_store_that_loses_corrupts_or_delays_objects_costs_recomputation_only(
     # inner prompt-end states are priced (core/tail_price.py) the missing
     # ones split by leg differently from run to run (measured: state 6 /
     # kv 5 / 2 completed, state 6 / kv 3 / 3 completed; before, always
-    # 5 / 5 / 2); every corrupted state is still caught, and no failed load
-    # changes an output (above)
-    assert c["loads_attempted"] == 20 and c["loads_failed"]["state corrupt"] == 8
+    # 5 / 5 / 2, of 20 with 8 corrupt, with the admission gate off); every
+    # corrupted state is still caught, and no failed load changes an output
+    # (above). With the gate on, measured: 14 attempted, state corrupt 6,
+    # kv missing 6, state missing 2, none completed
+    assert c["loads_attempted"] == 14 and c["loads_failed"]["state corrupt"] == 6
     assert set(c["loads_failed"]) == {"state missing", "state corrupt", "kv missing"}
-    assert c["loads_failed"]["state missing"] >= 5 and c["loads_failed"]["kv missing"] >= 3
+    assert c["loads_failed"]["state missing"] >= 2 and c["loads_failed"]["kv missing"] >= 3
     assert c["loads_completed"] + sum(c["loads_failed"].values()) == c["loads_attempted"]
     assert got["left"] == baseline(nb)
 
@@ -474,6 +479,6 @@ def test_replayssm_pages_spill_and_load_with_their_records(bench, off, monkeypat
     assert specs == [("AtomReplaySSMSpec", 3)] * 3
     assert same_as_off(run, reference)
     assert sum(run.cached) == 18_816
-    assert c["loads_attempted"] == c["loads_completed"] == 20
+    assert c["loads_attempted"] == c["loads_completed"] == 12
     assert c["loads_failed"] == {}
     assert got["left"] == baseline(nb)

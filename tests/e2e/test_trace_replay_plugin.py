@@ -50,10 +50,10 @@ POOL_MULTIPLE = 0.83
 ORACLE_REUSABLE = 20099
 NATIVE_PMU64_CACHED = 13760
 # 15,744 before live requests held their prompt-end state. The server's
-# admission gate (auto) stays off in this 63-page pool (20 checkpoints'
-# worth): switched on, it holds requests in 12 steps and keeps 14,720
-# (test_scheduler_only_replay.py pins both)
-PLUGIN_CACHED = 15808
+# admission gate (auto) runs in this 63-page pool (20 checkpoints' worth)
+# since 2026-12-03: 15,808 with it off, the default here before
+# (test_scheduler_only_replay.py pins both; BENCHMARKS.md, "Small pools")
+PLUGIN_CACHED = 14720
 # |logprob - caching off| of an output token: another chunking of the same
 # prompt moves it by up to 0.030 (bf16 activations); a zeroed state by 0.81.
 LOGPROB_TOL = 0.1

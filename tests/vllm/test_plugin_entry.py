@@ -226,17 +226,17 @@ def test_additional_config_sets_the_engines_settings(monkeypatch, caplog):
     pytest.importorskip("vllm")
     monkeypatch.setenv("ATOM_ADMISSION_ORDER", "arrival")
     plain = _plugin_scheduler({})
-    # a server's defaults: the gate auto, so off in this 146-page pool (48
-    # checkpoints' worth, test_admission_gate.py), stats every 100
-    # admissions (the replay's 0)
-    assert plain.atom.planner is not None and not plain.atom.hits_first and plain.atom.gate is None
+    # a server's defaults: the gate auto, so on (test_admission_gate.py),
+    # stats every 100 admissions (the replay's 0)
+    assert plain.atom.planner is not None and not plain.atom.hits_first
+    assert plain.atom.gate is not None
     assert plain.atom.planner.stats_log_interval == 100
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         tuned = _plugin_scheduler({"atom_hybrid_cache": {"ATOM_ADMISSION_ORDER": "hits-first",
-                                                         "ATOM_ADMISSION_GATE": "on",
+                                                         "ATOM_ADMISSION_GATE": "off",
                                                          "ATOM_STATE_CHECKPOINT_SPAN": [0.5, 0.875],
                                                          "ATOM_STATS_LOG_INTERVAL": 7}})
-    assert tuned.atom.hits_first and tuned.atom.gate is not None
+    assert tuned.atom.hits_first and tuned.atom.gate is None
     assert tuned.atom.planner.policy.placement.span_fractions == (0.5, 0.875)
     assert tuned.atom.planner.stats_log_interval == 7
     assert any(m.startswith("atom_hybrid_cache: settings from --additional-config: ")
