@@ -195,3 +195,31 @@ def test_span_fractions_reach_the_chunk_stops():
     q = make_planner(cold, kv_share_tokens=1 << 20)
     q.plan("turn", 1700, [f"h{i}" for i in range(26)], hit=896, kv_reach=896)
     assert q.plans.get("turn").kinds == {}
+
+
+def test_the_release_order_without_units_is_the_units_order():
+    """core.eviction.freed_order (the release without the store's record of
+    each unit, and the planner's model) frees in the order of
+    freed_units(...).order(), on releases drawn at random: states cached or
+    not at unit boundaries, KV pages indexed up to a point, a first column
+    past 0, one KV group and two."""
+    import random
+
+    from atom_hybrid_cache.core.eviction import freed_order, freed_units
+    rng = random.Random(7)
+    for case in range(300):
+        size = rng.choice((16, 64, 128))
+        n = rng.randrange(0, 40)
+        c0 = rng.choice((0, 0, 3))
+        spots = range(8, (n + c0 + 2) * size, 8)
+        positions = rng.sample(spots, k=min(len(spots), rng.randrange(0, 7)))
+        states = [FreedState(f"s{i}", p, rng.random() < 0.8, i % 3)
+                  for i, p in enumerate(positions)]
+        states += [FreedState(f"s{i}b", p, True, 1) for i, p in enumerate(positions[:2])]
+        groups = 1 if case % 3 else 2
+        kv = []
+        for g in range(groups):
+            indexed = rng.randrange(0, n + 1)
+            kv.append(KVPages(size, [f"k{g}.{i}" for i in range(n)],
+                              [i < indexed for i in range(n)], c0))
+        assert freed_order(states, kv) == freed_units(states, kv).order(), case

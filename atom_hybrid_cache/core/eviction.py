@@ -66,6 +66,23 @@ class FreedUnits(NamedTuple):
         return out
 
 
+def _kv_ranges(tops: Sequence[int], pages: KVPages) -> list:
+    """[(u, lo, hi)]: one KV group's pages lo..hi-1 (indices into
+    `pages.handles`) belong to unit slot u, top slot first: slot 0 holds the
+    pages above every state, slot u + 1 those of the state at `tops[u]`
+    (tops highest first). Page i is tops[u]'s when
+    ceil(tops[u+1] / size) <= first_column + i < ceil(tops[u] / size)."""
+    size, n, c0 = pages.block_size, len(pages.handles), pages.first_column
+    bounds = [min(n, max(0, -(-pos // size) - c0)) for pos in tops] + [0]
+    out = []
+    hi = n
+    for u, lo in enumerate(bounds):
+        if lo < hi:
+            out.append((u, lo, hi))
+            hi = lo
+    return out
+
+
 def freed_units(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> FreedUnits:
     """A KV page belongs to the lowest state above its first token; within a
     unit the pages of several groups go by their end, top first."""
@@ -73,17 +90,13 @@ def freed_units(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> Fre
     uncached = []
     # pages[0]: KV pages above every state; pages[u + 1]: tops[u]'s pages
     pages: list = [[] for _ in range(len(tops) + 1)]
-    for g, (size, handles, cached, c0) in enumerate(kv):
-        n = len(handles)
+    for g, run in enumerate(kv):
+        size, handles, cached, c0 = run
         uncached += [h for h, c in zip(handles, cached) if not c]
-        # page i is tops[u]'s when ceil(tops[u+1] / size) <= c0 + i < ceil(tops[u] / size)
-        bounds = [min(n, max(0, -(-pos // size) - c0)) for pos in tops] + [0]
-        hi = n
-        for u, lo in enumerate(bounds):
-            for i in range(hi - 1, lo - 1, -1):   # from the top page down
-                if cached[i]:
-                    pages[u].append((g, (c0 + i + 1) * size, handles[i]))
-            hi = min(hi, lo)
+        for u, lo, hi in _kv_ranges(tops, run):
+            # from the top page down
+            pages[u] += [(g, (c0 + i + 1) * size, handles[i])
+                         for i in range(hi - 1, lo - 1, -1) if cached[i]]
     if len(kv) > 1:
         pages = [sorted(unit, key=lambda e: -e[1]) for unit in pages]
     at: dict = {}
@@ -96,6 +109,34 @@ def freed_units(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> Fre
             uncached.append(b.handle)
     return FreedUnits(uncached, pages[0], [Unit(pos, at[pos], pages[u + 1], groups[pos])
                                            for u, pos in enumerate(tops)])
+
+
+def freed_order(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> list:
+    """`freed_units(states, kv).order()` without the units: what a release
+    that keeps no record of them frees. With one KV group (the models this
+    serves) no object is made per page: a long prompt frees hundreds of
+    pages in the scheduler's step, and every tracked object made there
+    brings Python's collector nearer, whose passes in a step cost
+    milliseconds (BENCHMARKS.md, "The slowest steps")."""
+    if len(kv) != 1:
+        return freed_units(states, kv).order()
+    tops = sorted({b.position for b in states if b.cached}, reverse=True)
+    run = kv[0]
+    handles, cached = run.handles, run.cached
+    out = [h for h, c in zip(handles, cached) if not c]
+    out += [b.handle for b in states if not b.cached]
+    pages: list = [()] * (len(tops) + 1)
+    for u, lo, hi in _kv_ranges(tops, run):
+        pages[u] = [handles[i] for i in range(hi - 1, lo - 1, -1) if cached[i]]
+    at: dict = {}
+    for b in states:
+        if b.cached:
+            at.setdefault(b.position, []).append(b.handle)
+    out += pages[0]
+    for u, pos in enumerate(tops):
+        out += at[pos]
+        out += pages[u + 1]
+    return out
 
 
 def eviction_order(states: Sequence[FreedState], kv: Sequence[KVPages] = (),

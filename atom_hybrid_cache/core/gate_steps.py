@@ -125,16 +125,21 @@ class GateSteps:
                        if c.request_id in self._holds}
         overdue = {rid for rid, n in self._holds.items() if n >= max_hold_steps}
         protected = protected_pages(candidates, key)
-        room = free_pages - len(protected) - running_reserve
+        evictable_hit_pages = len(protected)
+        room = free_pages - evictable_hit_pages - running_reserve
         if room < 0:
             room = unprotect_last([c.hit_pages for c in candidates], protected, room, key)
         held, pinned = gate_step(candidates, protected, room, token_budget, anything_running,
                                  overdue, key)
         # only what this step pins is safe from its allocations (a step in
         # which the smallest request goes alone pins nothing)
-        pinned_keys = {key(p) for p in pinned}
-        self._lookups = {c.request_id: (c.hit_pages, c.hit) for c in candidates
-                         if all(key(p) in pinned_keys for p in c.evictable)}
+        if len(pinned) == evictable_hit_pages:
+            # every evictable hit page pinned (the common step): no page walk
+            self._lookups = {c.request_id: (c.hit_pages, c.hit) for c in candidates}
+        else:
+            pinned_keys = {key(p) for p in pinned}
+            self._lookups = {c.request_id: (c.hit_pages, c.hit) for c in candidates
+                             if all(key(p) in pinned_keys for p in c.evictable)}
         # a hold counts toward the limit only where vLLM would have admitted
         # the request (its new pages and its unreferenced hit pages free):
         # one the pool cannot take yet is not starved by the gate, and

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..config import PlacementConfig
-from .eviction import (FreedState, KVPages, freed_units, highest_states_at_or_below,
+from .eviction import (FreedState, KVPages, freed_order, highest_states_at_or_below,
                        refreshed_positions)
 from .gate_steps import gate_on
 from .kinds import CheckpointKind
@@ -553,7 +553,7 @@ class SharedPoolManager:
                 taken.add(p)
                 states.append(FreedState(p, pos, True, g))
         kv = KVPages(self.page, held.kv, [pool.is_indexed(p) for p in held.kv])
-        pool.free(freed_units(states, [kv]).order())
+        pool.free(freed_order(states, [kv]))
         self.planner.finished(req.request_id, hashes[:req.num_computed // self.block_size],
                               [pos for pos, _ in columns if pos is not None])
         req.blocks = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..core.eviction import FreedState, KVPages, freed_units, refreshed_positions
+from ..core.eviction import FreedState, KVPages, freed_order, freed_units, refreshed_positions
 
 
 def free_in_units(sched, parts, request) -> None:
@@ -29,12 +29,13 @@ def free_in_units(sched, parts, request) -> None:
     for g, m in enumerate(kvm.coordinator.single_type_managers):
         blocks = m.pop_blocks_for_free(rid)
         if not isinstance(m.kv_cache_spec, MambaSpec):
-            # (null pages, e.g. out of a sliding window, count as uncached)
-            kv.append(KVPages(m.block_size, blocks, [b.block_hash is not None for b in blocks]))
+            kv.append(KVPages(m.block_size, blocks, _indexed(blocks)))
             continue
+        # most of a long prompt's state pages are null (vLLM passes them
+        # too; free_blocks skips them)
+        nulls += [b for b in blocks if b.is_null]
         for b in blocks:
             if b.is_null:
-                nulls.append(b)   # vLLM passes them too; free_blocks skips them
                 continue
             held.add(b.block_id)
             if b.block_hash is not None:
@@ -70,17 +71,41 @@ def free_in_units(sched, parts, request) -> None:
     if (anchor is None and prompt_end and prompt_end not in kept
             and parts.anchors.states_at(request, prompt_end) is not None):
         kept.append(prompt_end)
-    freed = freed_units(states, kv)
-    order = nulls + freed.order()
+    # the store keeps a record of each unit; without it only the order is
+    # needed (the same arithmetic, no object a page)
+    freed = freed_units(states, kv) if parts.store is not None else None
+    order = nulls + (freed.order() if freed is not None else freed_order(states, kv))
     unit = sched.hash_block_size
     planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], kept)
     if sched._request_blocks_can_be_freed(request):
         pool.free_blocks(order)
-        if parts.store is not None:
+        if freed is not None:
             _watch_units(pool, parts.store, request, freed)
     else:
         # drained in reverse (see vLLM's Scheduler._drain_deferred_frees)
         sched.deferred_frees.append((sched.sched_step_seq, order[::-1]))
+
+
+def _indexed(blocks) -> list:
+    """Whether each of a request's KV pages is indexed. vLLM indexes a
+    request's pages in order as they fill, so the indexed ones are a prefix
+    of its table: found by bisection, a few reads where a long prompt frees
+    hundreds of pages in the step. A table of another shape (null pages,
+    e.g. out of a sliding window, which count as uncached) is read page by
+    page."""
+    n = len(blocks)
+    if not n or blocks[0].is_null or blocks[-1].is_null:
+        return [b.block_hash is not None for b in blocks]
+    lo, hi = 0, n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if blocks[mid].block_hash is not None:
+            lo = mid + 1
+        else:
+            hi = mid
+    if lo < n and blocks[-1].block_hash is not None:
+        return [b.block_hash is not None for b in blocks]   # not a prefix
+    return [True] * lo + [False] * (n - lo)
 
 
 def _watch_units(pool, store, request, freed) -> None:

@@ -58,10 +58,19 @@ class StateSearch:
         every hash unit of the page below its top (prompt-end states sit
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
-        indexed = self.maybe_indexed(block_hashes)
-        return highest_states_at_or_below(
-            tops, self.hash_unit, self.page, max_pages,
-            lambda pos: self.states_at(block_hashes, pos) if indexed(pos) else None)
+        unit, n = self.hash_unit, len(block_hashes)
+        suffix = self._suffix
+        index = private_api.prefix_index(self.pool) if suffix is not None else None
+
+        def state_at(pos: int) -> Optional[list]:
+            # one call a probe (a walk probes ~90 positions a release): the
+            # filter of `maybe_indexed`, then `states_at`
+            i = pos // unit - 1
+            if i >= n or (index is not None and block_hashes[i] + suffix not in index):
+                return None
+            return self.states_at(block_hashes, pos)
+
+        return highest_states_at_or_below(tops, unit, self.page, max_pages, state_at)
 
     def positions(self, block_hashes: Sequence, end: int) -> list[int]:
         """Every hash-unit boundary below `end` where a state of this prefix
