@@ -168,6 +168,9 @@ def highest_states_at_or_below(tops, hash_unit: int, page: int, max_pages: int,
     (where chunk ends put most other states), at most `max_pages` pages down.
     The release (vllm/state_search.py) and the planner's model both walk so."""
     found = {}
+    # positions a higher top's walk found empty: the walks below cross the
+    # same page boundaries (a release asks for five tops in a few pages)
+    empty = set()
     for top in sorted({t // hash_unit * hash_unit for t in tops if t >= hash_unit},
                       reverse=True):
         pos = top
@@ -175,9 +178,11 @@ def highest_states_at_or_below(tops, hash_unit: int, page: int, max_pages: int,
         while pos > 0 and pos >= lowest:
             if pos in found:
                 break
-            pages = state_at(pos)
-            if pages is not None:
-                found[pos] = pages
-                break
+            if pos not in empty:
+                pages = state_at(pos)
+                if pages is not None:
+                    found[pos] = pages
+                    break
+                empty.add(pos)
             pos = pos - hash_unit if pos > top - page else (pos - 1) // page * page
     return sorted(found.items(), reverse=True)
