@@ -128,7 +128,8 @@ class SharedPoolManager:
                  admission_gate: str = "off", oracle_limit: int = 1 << 62) -> None:
         """`floor_fractions` and `admission_gate` (its ATOM_ADMISSION_GATE
         mode): the server's, as the plugin gets them; the policy drops the
-        floors and `auto` the gate where the pool cannot afford them."""
+        floors where a slot's share cannot afford them (`auto` gates at
+        every size)."""
         self.shape = shape
         self.plugin = plugin
         self.block_size = shape.hash_unit     # the simulator's hash unit
