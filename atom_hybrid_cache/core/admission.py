@@ -37,6 +37,17 @@ def prefill_pages(groups: Sequence[PageGroup], tokens: int, held: Callable[[int]
                for i, g in enumerate(groups))
 
 
+def pages_to_finish(groups: Sequence[PageGroup], prompt_len: int, computed: int,
+                    held: Callable[[int], int]) -> int:
+    """Pages a running request still takes to finish its prefill: none once
+    it decodes (it has its prompt's pages; counting a state page for it
+    kept a request waiting beside free room while decodes grew into its
+    prefix)."""
+    if computed >= prompt_len:
+        return 0
+    return prefill_pages(groups, prompt_len, held, STATE_PAGES_TO_FINISH)
+
+
 def pages_to_admit(groups: Sequence[PageGroup], tokens: int, hit: int) -> int:
     """Pages the whole prefill of a `tokens`-long request takes beyond its
     `hit` tokens."""

@@ -9,7 +9,7 @@ The same decisions as the vLLM adapter's (`vllm/floor_states.py`,
 - a request's hit pages are vLLM's `find_longest_cache_hit` answer in group
   order (the state groups, then the attention group), its need
   `admission.pages_to_admit`, and the running requests' reserve
-  `admission.prefill_pages` over their block tables;
+  `admission.pages_to_finish` over their block tables;
 - the pins are references through the step, given back in the gate's order
   after it (so they join the LRU's tail), the held requests wait in front.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from ..config import ADMISSION_GATE_MAX_HOLD_STEPS
-from .admission import STATE_PAGES_TO_FINISH, PageGroup, pages_to_admit, prefill_pages
+from .admission import PageGroup, pages_to_admit, pages_to_finish
 from .floor_ledger import FLOOR_MAX_POOL_SHARE, FloorLedger
 from .gate_steps import GateDecision, GateLookup, GateSteps
 
@@ -110,11 +110,9 @@ class SharedPoolWindow:
     def _running_reserve(self, running: Sequence) -> int:
         held = self.manager.held_kv_pages
         kv = len(self.groups) - 1
-        # a decoding request has its prompt's pages: nothing to finish
-        return sum(prefill_pages(self.groups, r.prompt_len,
-                                 lambda g, r=r: held(r.request_id) if g == kv else 0,
-                                 STATE_PAGES_TO_FINISH)
-                   for r in running if r.num_computed < r.prompt_len)
+        return sum(pages_to_finish(self.groups, r.prompt_len, r.num_computed,
+                                   lambda g, r=r: held(r.request_id) if g == kv else 0)
+                   for r in running)
 
     def _token_budget(self, running: Sequence) -> int:
         return self.manager.shape.step_tokens - sum(max(0, r.prompt_len - r.num_computed)

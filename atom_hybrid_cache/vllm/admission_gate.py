@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import ADMISSION_GATE_MAX_HOLD_STEPS as MAX_HOLD_STEPS
-from ..core.admission import STATE_PAGES_TO_FINISH, PageGroup, pages_to_admit, prefill_pages
+from ..core.admission import PageGroup, pages_to_admit, pages_to_finish
 from ..core.gate_steps import GateDecision, GateSteps, gate_step, unprotect_last
 from ..core.stats import CacheStats
 
@@ -152,15 +152,11 @@ def _page_groups(managers) -> list[PageGroup]:
 
 
 def _running_reserve(managers, running) -> int:
-    """Pages the running requests still take to finish their prefill (a
-    decoding request has its prompt's pages: none; counting a state page
-    for each kept a request waiting beside free room while decodes grew
-    into its prefix)."""
+    """Pages the running requests still take to finish their prefill."""
     groups = _page_groups(managers)
-    return sum(prefill_pages(groups, r.num_prompt_tokens,
-                             lambda g: len(managers[g].req_to_blocks.get(r.request_id, ())),
-                             STATE_PAGES_TO_FINISH)
-               for r in running if r.num_computed_tokens < r.num_prompt_tokens)
+    return sum(pages_to_finish(groups, r.num_prompt_tokens, r.num_computed_tokens,
+                               lambda g: len(managers[g].req_to_blocks.get(r.request_id, ())))
+               for r in running)
 
 
 def _token_budget(sched) -> int:

@@ -31,11 +31,9 @@ def free_in_units(sched, parts, request) -> None:
         if not isinstance(m.kv_cache_spec, MambaSpec):
             kv.append(KVPages(m.block_size, blocks, _indexed(blocks)))
             continue
-        # most of a long prompt's state pages are null (vLLM passes them
-        # too; free_blocks skips them)
-        nulls += [b for b in blocks if b.is_null]
         for b in blocks:
             if b.is_null:
+                nulls.append(b)   # vLLM passes them too; free_blocks skips them
                 continue
             held.add(b.block_id)
             if b.block_hash is not None:

@@ -19,6 +19,7 @@ from ..core.planner import CheckpointPlanner
 from ..core.policy import CheckpointPolicy
 from ..core.tail_price import describe_price
 from . import private_api
+from ..core.gate_steps import gate_on
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
 from .floor_states import FloorStates
@@ -153,7 +154,7 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
     `on` needs no state groups (it also serves attention-only models);
     `auto` gates where the plugin manages the states (`policy`). Its holds
     are counted in `stats` (the planner's: its log lines, the metrics)."""
-    if mode == "off":
+    if not gate_on(mode):
         return None
     if not (sched.cache_config.enable_prefix_caching and isinstance(sched.waiting, deque)):
         if mode == "on":

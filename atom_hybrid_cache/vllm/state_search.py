@@ -36,19 +36,22 @@ class StateSearch:
             return hit
         return None
 
-    def maybe_indexed(self, block_hashes: Sequence) -> Callable[[int], bool]:
-        """A cheap filter for `states_at`: pos -> False where the first
-        state group certainly indexes no state after `pos` tokens of this
-        prefix. One dict membership (as in
-        AtomStateManager.find_longest_cache_hit) instead of vLLM's lookup
-        at every unit of a walk."""
-        unit = self.hash_unit
+    def probe(self, block_hashes: Sequence) -> Callable[[int], Optional[list]]:
+        """`states_at` for this prefix as one call a position, behind a cheap
+        filter: where the first state group certainly indexes no state
+        after `pos` tokens (one dict membership, as in
+        AtomStateManager.find_longest_cache_hit) it answers None without
+        vLLM's lookup. A release's walk probes ~90 positions."""
+        unit, n = self.hash_unit, len(block_hashes)
         suffix = self._suffix
-        if suffix is None:
-            return lambda pos: pos // unit <= len(block_hashes)
-        index = private_api.prefix_index(self.pool)
-        return lambda pos: (pos // unit <= len(block_hashes)
-                            and block_hashes[pos // unit - 1] + suffix in index)
+        index = private_api.prefix_index(self.pool) if suffix is not None else None
+
+        def state_at(pos: int) -> Optional[list]:
+            i = pos // unit - 1
+            if i >= n or (index is not None and block_hashes[i] + suffix not in index):
+                return None
+            return self.states_at(block_hashes, pos)
+        return state_at
 
     def highest_at_or_below(self, block_hashes: Sequence, tops,
                             max_pages: int = SEARCH_PAGES) -> list[tuple[int, list]]:
@@ -58,23 +61,12 @@ class StateSearch:
         every hash unit of the page below its top (prompt-end states sit
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
-        unit, n = self.hash_unit, len(block_hashes)
-        suffix = self._suffix
-        index = private_api.prefix_index(self.pool) if suffix is not None else None
-
-        def state_at(pos: int) -> Optional[list]:
-            # one call a probe (a walk probes ~90 positions a release): the
-            # filter of `maybe_indexed`, then `states_at`
-            i = pos // unit - 1
-            if i >= n or (index is not None and block_hashes[i] + suffix not in index):
-                return None
-            return self.states_at(block_hashes, pos)
-
-        return highest_states_at_or_below(tops, unit, self.page, max_pages, state_at)
+        return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
+                                          self.probe(block_hashes))
 
     def positions(self, block_hashes: Sequence, end: int) -> list[int]:
         """Every hash-unit boundary below `end` where a state of this prefix
         is indexed, lowest first (a walk of the whole prefix: diagnostics)."""
-        indexed = self.maybe_indexed(block_hashes)
+        state_at = self.probe(block_hashes)
         return [pos for pos in range(self.hash_unit, end, self.hash_unit)
-                if indexed(pos) and self.states_at(block_hashes, pos) is not None]
+                if state_at(pos) is not None]
