@@ -22,7 +22,6 @@ def free_in_units(sched, parts, request) -> None:
     pool = kvm.block_pool
     states: list[FreedState] = []
     kv: list[KVPages] = []
-    nulls = []
     held = set()
     kept = []
     primary = parts.state_groups[0]
@@ -31,10 +30,9 @@ def free_in_units(sched, parts, request) -> None:
         if not isinstance(m.kv_cache_spec, MambaSpec):
             kv.append(KVPages(m.block_size, blocks, _indexed(blocks)))
             continue
-        for b in blocks:
-            if b.is_null:
-                nulls.append(b)   # vLLM passes them too; free_blocks skips them
-                continue
+        # a state group's table is null but for its few states (vLLM does
+        # not count the null page's references: it goes nowhere)
+        for b in [b for b in blocks if not b.is_null]:
             held.add(b.block_id)
             if b.block_hash is not None:
                 pos = b.block_hash_num_tokens or 0
@@ -72,7 +70,7 @@ def free_in_units(sched, parts, request) -> None:
     # the store keeps a record of each unit; without it only the order is
     # needed (the same arithmetic, no object a page)
     freed = freed_units(states, kv) if parts.store is not None else None
-    order = nulls + (freed.order() if freed is not None else freed_order(states, kv))
+    order = freed.order() if freed is not None else freed_order(states, kv)
     unit = sched.hash_block_size
     planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], kept)
     if sched._request_blocks_can_be_freed(request):

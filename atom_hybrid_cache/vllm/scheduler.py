@@ -14,7 +14,8 @@ attention-only model). It overrides five methods and nothing else:
 - `reset_prefix_cache`: the plugin's references go first.
 Without our state groups it is vLLM's scheduler (plus the gate, if asked).
 The lookups the gate and hits-first make answer vLLM's lookups of the same
-step while they stand (`step_lookups`).
+step while they stand (`step_lookups`); the attention half of every lookup
+is the plugin's walk (`attention_lookup`), vLLM's answer.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import admission, release
+from . import admission, attention_lookup, release
 from .admission_order import order_waiting
 from .scheduler_setup import SchedulerParts, build_parts
 from .step_lookups import StepLookups
@@ -38,6 +39,7 @@ class AtomSchedulerMixin:
 
     def _atom_setup(self) -> None:
         self.atom = build_parts(self)
+        attention_lookup.install(self.kv_cache_manager.coordinator)
         if self.atom.gate is not None or self.atom.hits_first:
             kvm = self.kv_cache_manager
             self.atom_lookups = StepLookups(kvm.coordinator, kvm.block_pool)
