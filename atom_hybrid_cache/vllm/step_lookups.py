@@ -10,8 +10,13 @@ only on which of the request's prefix hashes the pool indexes, and on which
 block each names; so a kept answer stands until the pool's prefix index
 inserts or removes a key of one of the request's hashes (an allocation that
 evicts, a running prefill that caches). The index's `insert` and `pop` tell
-this object; any other change (a reset replaces the index) drops them all.
-vLLM gets the same answer it would have computed, in lists of its own.
+this object, which lists the hashes of the keys changed in the step; when
+vLLM asks again, a kept answer is given only if none of the hashes changed
+since it was kept is one of the request's (one pass over its hashes, and
+none where nothing changed: no set of a long prompt's thousands of hashes
+is built for each lookup the gate keeps and vLLM may never ask for). Any
+other change (a reset replaces the index) drops them all. vLLM gets the
+same answer it would have computed, in lists of its own.
 """
 
 from __future__ import annotations
@@ -23,9 +28,13 @@ class StepLookups:
     def __init__(self, coordinator, pool) -> None:
         self.pool = pool
         self._find = coordinator.find_longest_cache_hit
-        # (id of the hash list, its length, max length) -> [answer, the list's
-        # hashes as a set, the list]; the list is kept so its id stays its own
+        # (id of the hash list, its length, max length) -> [answer, the list,
+        # how many changes were listed when it was kept]; the list is kept
+        # so its id stays its own
         self._kept: dict = {}
+        # the hashes of the index keys inserted or removed while any lookup
+        # is kept, in order
+        self._changes: list = []
         self._recording = False
         self._index = None
         # counters: lookups answered from a kept one, kept ones dropped by a change
@@ -39,31 +48,26 @@ class StepLookups:
         self._index = index
         insert, pop = index.insert, index.pop
 
+        # (a key is the hash and a 4-byte group id)
         def watched_insert(key, block) -> None:
             if self._kept:
-                self._changed(key)
+                self._changes.append(key[:-4])
             insert(key, block)
 
         def watched_pop(key, block_id):
             popped = pop(key, block_id)
             if popped is not None and self._kept:
-                self._changed(key)
+                self._changes.append(key[:-4])
             return popped
 
         index.insert = watched_insert
         index.pop = watched_pop
 
-    def _changed(self, key) -> None:
-        block_hash = key[:-4]   # (the key is the hash and a 4-byte group id)
-        stale = [k for k, entry in self._kept.items() if block_hash in entry[1]]
-        for k in stale:
-            del self._kept[k]
-        self.dropped += len(stale)
-
     def record(self) -> None:
         """From now until `forget`, lookups are kept (the plugin's, before
         vLLM's `schedule()`)."""
         self._kept = {}
+        self._changes = []
         self._recording = True
         if self.pool.cached_block_hash_to_block is not self._index:
             self._watch(self.pool.cached_block_hash_to_block)   # reset: a new index
@@ -74,16 +78,21 @@ class StepLookups:
 
     def forget(self) -> None:
         self._kept = {}
+        self._changes = []
         self._recording = False
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length: int):
         key = (id(block_hashes), len(block_hashes), max_cache_hit_length)
         entry: Optional[list] = self._kept.get(key)
-        if entry is not None and entry[2] is block_hashes:
-            blocks, hit, uncached = entry[0]
-            self.answered += 1
-            return tuple([*group] for group in blocks), hit, uncached
+        if entry is not None and entry[1] is block_hashes:
+            since = self._changes[entry[2]:]
+            if not since or set(since).isdisjoint(block_hashes):
+                blocks, hit, uncached = entry[0]
+                self.answered += 1
+                return tuple([*group] for group in blocks), hit, uncached
+            del self._kept[key]
+            self.dropped += 1
         answer = self._find(block_hashes, max_cache_hit_length)
         if self._recording and self.pool.cached_block_hash_to_block is self._index:
-            self._kept[key] = [answer, set(block_hashes), block_hashes]
+            self._kept[key] = [answer, block_hashes, len(self._changes)]
         return answer

@@ -73,9 +73,8 @@ def test_kept_lookup_answers_until_one_of_its_keys_changes():
 
     # a running prefill indexes the request's next key: the hit grows
     b3 = _index(pool, b"a3", 3)
-    assert lookups.dropped == 1
     assert coordinator.find_longest_cache_hit(a, 3) == (([b1, b2, b3],), 3, 0)
-    assert coordinator.calls == 4
+    assert (coordinator.calls, lookups.dropped) == (4, 1)
 
 
 def test_an_eviction_of_its_key_drops_it_and_forget_ends_the_step():
@@ -89,11 +88,11 @@ def test_an_eviction_of_its_key_drops_it_and_forget_ends_the_step():
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1, b2],), 2, 0)
     # removing a block the key does not name changes nothing
     assert pool.cached_block_hash_to_block.pop(make_block_hash_with_group_id(b"a2", 0), 7) is None
-    assert lookups.dropped == 0
+    assert coordinator.find_longest_cache_hit(a, 2) == (([b1, b2],), 2, 0)
+    assert (coordinator.calls, lookups.dropped) == (1, 0)
     pool.cached_block_hash_to_block.pop(make_block_hash_with_group_id(b"a2", 0), 2)
-    assert lookups.dropped == 1
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
-    assert coordinator.calls == 2
+    assert (coordinator.calls, lookups.dropped) == (2, 1)
 
     # kept while recording (the gate's lookups), gone with the step
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
@@ -112,6 +111,19 @@ def test_a_reset_index_is_watched_again():
     lookups.record()
     assert coordinator.find_longest_cache_hit(a, 1) == (([],), 0, 0)
     b1 = _index(pool, b"a1", 1)
-    assert lookups.dropped == 1
     assert coordinator.find_longest_cache_hit(a, 1) == (([b1],), 1, 0)
-    assert coordinator.calls == 2
+    assert (coordinator.calls, lookups.dropped) == (2, 1)
+
+
+def test_a_change_before_a_lookup_was_kept_does_not_drop_it():
+    pool = FakePool()
+    coordinator = FakeCoordinator(pool)
+    lookups = StepLookups(coordinator, pool)
+    a, other = [b"a1", b"a2"], [b"o1"]
+    lookups.record()
+    coordinator.find_longest_cache_hit(other, 1)     # kept: changes are listed from now
+    b1 = _index(pool, b"a1", 1)                      # a key of `a`, before `a` is looked up
+    assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
+    lookups.stop_recording()
+    assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
+    assert (coordinator.calls, lookups.answered, lookups.dropped) == (2, 1, 0)
