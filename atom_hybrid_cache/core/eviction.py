@@ -123,11 +123,18 @@ def freed_order(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> lis
     tops = sorted({b.position for b in states if b.cached}, reverse=True)
     run = kv[0]
     handles, cached = run.handles, run.cached
-    out = [h for h, c in zip(handles, cached) if not c]
+    # vLLM indexes a request's pages in order as they fill: the indexed ones
+    # are the first `k` (then slices, not a test a page, make the order)
+    k = cached.index(False) if False in cached else len(cached)
+    prefix = not any(cached[k:])
+    out = handles[k:] if prefix else [h for h, c in zip(handles, cached) if not c]
     out += [b.handle for b in states if not b.cached]
     pages: list = [()] * (len(tops) + 1)
     for u, lo, hi in _kv_ranges(tops, run):
-        pages[u] = [handles[i] for i in range(hi - 1, lo - 1, -1) if cached[i]]
+        if prefix:
+            pages[u] = handles[lo:min(hi, k)][::-1]
+        else:
+            pages[u] = [handles[i] for i in range(hi - 1, lo - 1, -1) if cached[i]]
     at: dict = {}
     for b in states:
         if b.cached:
