@@ -33,7 +33,8 @@ class AtomAttentionLookup(FullAttentionManager):
                                alignment_tokens: int, dcp_world_size: int = 1,
                                pcp_world_size: int = 1):
         index = private_api.prefix_index(block_pool)
-        suffixes = [private_api.index_key_suffix(block_pool, g) for g in kv_cache_group_ids]
+        suffixes = ([private_api.index_key_suffix(block_pool, g) for g in kv_cache_group_ids]
+                    if index is not None else [None])
         B = kv_cache_spec.block_size
         unit = block_pool.hash_block_size
         # vLLM probes inside a block at its hash units only (the caller's

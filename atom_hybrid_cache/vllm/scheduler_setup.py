@@ -15,11 +15,11 @@ from typing import Optional
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings, server_defaults
+from ..core.gate_steps import gate_on
 from ..core.planner import CheckpointPlanner
 from ..core.policy import CheckpointPolicy
 from ..core.tail_price import describe_price
 from . import private_api
-from ..core.gate_steps import gate_on
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
 from .floor_states import FloorStates
