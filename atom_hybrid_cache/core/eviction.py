@@ -167,29 +167,55 @@ def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float]) -
 
 
 def highest_states_at_or_below(tops, hash_unit: int, page: int, max_pages: int,
-                               state_at: Callable[[int], Optional[list]]) -> list:
+                               state_at: Callable[[int], Optional[list]],
+                               first_candidate: Optional[Callable[[range, int], int]] = None
+                               ) -> list:
     """[(position, pages)] of the highest state at or below each of `tops`
     (`state_at(pos)`: the state's pages there, or None), each position once,
     highest first. A walk looks at every hash unit of the page below its top
     (prompt-end states sit between pages), then at page boundaries only
     (where chunk ends put most other states), at most `max_pages` pages down.
-    The release (vllm/state_search.py) and the planner's model both walk so."""
+    The release (vllm/state_search.py) and the planner's model both walk so.
+
+    `first_candidate(positions, start)`: a caller's cheap filter, the index
+    in `positions` (a descending range) at or after `start` of the first
+    position that may hold a state, `len(positions)` if none; it must pass
+    every position where `state_at` finds one. Without it every position
+    is asked. (A long prompt's release asks ~300 positions, nearly all
+    empty: a filter that runs in C over the range skips them at a quarter
+    of the cost of asking each.)"""
     found = {}
     # positions a higher top's walk found empty: the walks below cross the
     # same page boundaries (a release asks for five tops in a few pages)
     empty = set()
-    for top in sorted({t // hash_unit * hash_unit for t in tops if t >= hash_unit},
-                      reverse=True):
-        pos = top
-        lowest = top - max_pages * page
-        while pos > 0 and pos >= lowest:
+    units_in_page = -(-page // hash_unit)
+
+    def walk(positions: range) -> bool:
+        """Whether the walk of one top ends in `positions` (a state found,
+        or one a higher top found)."""
+        j = 0
+        while True:
+            if first_candidate is not None:
+                j = first_candidate(positions, j)
+            if j >= len(positions):
+                return False
+            pos = positions[j]
             if pos in found:
-                break
+                return True
             if pos not in empty:
                 pages = state_at(pos)
                 if pages is not None:
                     found[pos] = pages
-                    break
+                    return True
                 empty.add(pos)
-            pos = pos - hash_unit if pos > top - page else (pos - 1) // page * page
+            j += 1
+
+    for top in sorted({t // hash_unit * hash_unit for t in tops if t >= hash_unit},
+                      reverse=True):
+        lowest = max(top - max_pages * page, 1)
+        # every unit down to the first at or below one page under the top,
+        # then the page boundaries under that one
+        last_unit = top - units_in_page * hash_unit
+        if not walk(range(top, max(last_unit - hash_unit, lowest - 1), -hash_unit)):
+            walk(range((last_unit - 1) // page * page, lowest - 1, -page))
     return sorted(found.items(), reverse=True)

@@ -15,7 +15,8 @@ from typing import Optional, Sequence
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 
 from ..core.planner import CheckpointPlans
-from . import private_api
+from . import private_api, state_hashes
+from .state_hashes import first_at_or_below
 
 _mamba_cache_blocks = MambaManager.cache_blocks
 
@@ -49,8 +50,10 @@ class AtomStateManager(MambaManager):
         """vLLM's answer, found without a pool lookup per boundary: a request
         waiting for room is looked up every step, and where its states are
         gone vLLM walks down to 0 one lookup per unit (3,800 for a
-        240k-token prompt). Here a boundary is first one dict membership in
-        the first group's index; vLLM confirms the candidate."""
+        240k-token prompt). Here the candidates are the boundaries whose
+        hash the first group indexes a state under, found in C over the
+        kept set (`state_hashes`), else by one dict membership each in the
+        index; vLLM confirms a candidate."""
         B = kv_cache_spec.block_size
         fine = alignment_tokens < B and B % alignment_tokens == 0
         suffix = private_api.index_key_suffix(block_pool, kv_cache_group_ids[0]) if fine else None
@@ -58,15 +61,26 @@ class AtomStateManager(MambaManager):
             return super().find_longest_cache_hit(
                 block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
                 drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size)
-        index = private_api.prefix_index(block_pool)
         top = min(max_length // alignment_tokens, len(block_hashes))
-        for i in range(top - 1, -1, -1):
-            if (block_hashes[i] + suffix in index
-                    and block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)):
-                top = i + 1
-                break
+        hashes = state_hashes.of_pool(block_pool, kv_cache_group_ids[0])
+        if hashes is not None:
+            # the candidates found in C over the kept set (state_hashes.py)
+            i = top - 1
+            while i >= 0:
+                i -= first_at_or_below(hashes, block_hashes, i, 0)
+                if i >= 0 and block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids):
+                    break
+                i -= 1
+            top = i + 1
         else:
-            top = 0
+            index = private_api.prefix_index(block_pool)
+            for i in range(top - 1, -1, -1):
+                if (block_hashes[i] + suffix in index
+                        and block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids)):
+                    top = i + 1
+                    break
+            else:
+                top = 0
         # vLLM's lookup from the found boundary: its first probe hits (or,
         # at 0, it returns the empty hit), so it builds the answer as always
         return super().find_longest_cache_hit(

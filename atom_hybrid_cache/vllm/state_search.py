@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..core.eviction import highest_states_at_or_below
-from . import private_api
+from .state_hashes import StateHashes, first_at_or_below
 
 # How far below each top (in state pages) `highest_at_or_below` looks.
 SEARCH_PAGES = 64
@@ -22,8 +22,8 @@ class StateSearch:
         self.groups = list(state_groups)
         self.hash_unit = hash_unit
         self.page = page
-        # None: the pool's index is not the plain dict the filter reads
-        self._suffix = private_api.index_key_suffix(pool, self.groups[0])
+        # the hashes the first state group indexes a state under (the filter)
+        self.hashes = StateHashes(pool, self.groups[0])
 
     def states_at(self, block_hashes: Sequence, pos: int) -> Optional[list]:
         """Every state group's page of the state after `pos` tokens of this
@@ -39,16 +39,14 @@ class StateSearch:
     def probe(self, block_hashes: Sequence) -> Callable[[int], Optional[list]]:
         """`states_at` for this prefix as one call a position, behind a cheap
         filter: where the first state group certainly indexes no state
-        after `pos` tokens (one dict membership, as in
-        AtomStateManager.find_longest_cache_hit) it answers None without
-        vLLM's lookup. A release's walk probes ~90 positions."""
+        after `pos` tokens (one set membership, `StateHashes`) it answers
+        None without vLLM's lookup."""
         unit, n = self.hash_unit, len(block_hashes)
-        suffix = self._suffix
-        index = private_api.prefix_index(self.pool) if suffix is not None else None
+        hashes = self.hashes.current()
 
         def state_at(pos: int) -> Optional[list]:
             i = pos // unit - 1
-            if i >= n or (index is not None and block_hashes[i] + suffix not in index):
+            if i >= n or (hashes is not None and block_hashes[i] not in hashes):
                 return None
             return self.states_at(block_hashes, pos)
         return state_at
@@ -62,7 +60,25 @@ class StateSearch:
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
         return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
-                                          self.probe(block_hashes))
+                                          self.probe(block_hashes),
+                                          self._first_candidate(block_hashes))
+
+    def _first_candidate(self, block_hashes: Sequence):
+        """`probe`'s filter over a descending range of positions at once
+        (core.eviction.highest_states_at_or_below's `first_candidate`), run
+        in C (`first_at_or_below`); None where it cannot run."""
+        unit = self.hash_unit
+        hashes = self.hashes.current()
+        if hashes is None or self.page % unit:
+            return None
+
+        def first_candidate(positions: range, start: int) -> int:
+            rest = positions[start:]
+            if not rest:
+                return start
+            return start + first_at_or_below(hashes, block_hashes, rest[0] // unit - 1,
+                                             rest[-1] // unit - 1, -rest.step // unit)
+        return first_candidate
 
     def positions(self, block_hashes: Sequence, end: int) -> list[int]:
         """Every hash-unit boundary below `end` where a state of this prefix

@@ -1,5 +1,7 @@
 """`AtomStateManager.find_longest_cache_hit` gives vLLM's answer without one
-pool lookup per hash boundary (real vLLM BlockPool; no model)."""
+pool lookup per hash boundary (real vLLM BlockPool; no model), with the
+scheduler's kept set of state hashes (`StateHashes`, watching the index
+change) and without it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
+from atom_hybrid_cache.vllm.state_hashes import StateHashes  # noqa: E402
 from atom_hybrid_cache.vllm.state_manager import AtomStateManager  # noqa: E402
 
 GROUPS = [1, 2, 3]
@@ -24,14 +27,26 @@ def state_spec(block_size: int) -> MambaSpec:
                      mamba_cache_mode="align")
 
 
-def pool_with_states(rng, hashes, num_states: int) -> BlockPool:
+def pool_with_states(rng, hashes, num_states: int, kept: bool = False) -> BlockPool:
     """A pool indexing states at random boundaries of `hashes`, some in only
-    part of the groups (a state page evicted from one group)."""
-    pool = BlockPool(num_gpu_blocks=4 * num_states + 8, enable_caching=True, hash_block_size=64)
+    part of the groups (a state page evicted from one group), some filed
+    twice under one key, then some keys' pages taken out of the index
+    again. `kept`: a StateHashes watches the index from the start."""
+    pool = BlockPool(num_gpu_blocks=8 * num_states + 8, enable_caching=True, hash_block_size=64)
+    if kept:
+        StateHashes(pool, GROUPS[0])
+    index = pool.cached_block_hash_to_block
+    filed = []
     for i in rng.sample(range(len(hashes)), num_states):
         groups = GROUPS if rng.random() < 0.7 else rng.sample(GROUPS, rng.randint(1, 2))
-        for g, block in zip(groups, pool.get_new_blocks(len(groups))):
-            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], g), block)
+        copies = 2 if rng.random() < 0.2 else 1
+        for g in groups:
+            key = make_block_hash_with_group_id(hashes[i], g)
+            for block in pool.get_new_blocks(copies):
+                index.insert(key, block)
+                filed.append((key, block.block_id))
+    for key, block_id in rng.sample(filed, len(filed) // 4):
+        assert index.pop(key, block_id) is not None
     return pool
 
 
@@ -41,23 +56,25 @@ def lookup(cls, hashes, max_length, pool, block_size, alignment=64):
     return hit, [[b.block_id for b in group] for group in blocks]
 
 
+@pytest.mark.parametrize("kept", [False, True])
 @pytest.mark.parametrize("block_size", [448, 128, 64])
-def test_same_hit_and_blocks_as_vllm_on_random_pools(block_size):
+def test_same_hit_and_blocks_as_vllm_on_random_pools(block_size, kept):
     rng = random.Random(block_size)
     for case in range(300):
         hashes = [rng.randbytes(32) for _ in range(rng.randint(1, 120))]
-        pool = pool_with_states(rng, hashes, rng.randint(0, min(len(hashes), 12)))
+        pool = pool_with_states(rng, hashes, rng.randint(0, min(len(hashes), 12)), kept)
         max_length = rng.randint(0, 64 * len(hashes))
         assert (lookup(AtomStateManager, hashes, max_length, pool, block_size)
                 == lookup(MambaManager, hashes, max_length, pool, block_size)), case
 
 
-def test_a_miss_down_to_zero_costs_no_pool_lookup(monkeypatch):
+@pytest.mark.parametrize("kept", [False, True])
+def test_a_miss_down_to_zero_costs_no_pool_lookup(monkeypatch, kept):
     # 3,800 boundaries (a 243k-token prompt) with no state: vLLM asks the
     # pool at every one of them; ours at none
     rng = random.Random(0)
     hashes = [rng.randbytes(32) for _ in range(3800)]
-    pool = pool_with_states(rng, [rng.randbytes(32)], 1)   # a state of another prompt
+    pool = pool_with_states(rng, [rng.randbytes(32)], 1, kept)   # another prompt's state
     calls = []
     real = pool.get_cached_block
     monkeypatch.setattr(pool, "get_cached_block", lambda *a: calls.append(1) or real(*a))
@@ -66,3 +83,39 @@ def test_a_miss_down_to_zero_costs_no_pool_lookup(monkeypatch):
     calls.clear()
     assert lookup(AtomStateManager, hashes, 64 * 3800, pool, 448) == (0, [[], [], []])
     assert len(calls) == 0
+
+
+def test_the_kept_hashes_follow_the_index_through_a_reset():
+    rng = random.Random(1)
+    hashes = [rng.randbytes(32) for _ in range(40)]
+    pool = pool_with_states(rng, hashes, 30, kept=True)
+    kept = StateHashes(pool, GROUPS[0])
+    suffix = make_block_hash_with_group_id(b"", GROUPS[0])
+    in_index = {k[:-len(suffix)] for k in pool.cached_block_hash_to_block._cache
+                if k.endswith(suffix)}
+    assert kept.current() == in_index and len(in_index) > 5
+    # a reset replaces vLLM's index: the set is the new one's (empty), and
+    # it follows the new index from then on
+    for key, blocks in list(pool.cached_block_hash_to_block._cache.items()):
+        for b in (list(blocks.values()) if isinstance(blocks, dict) else [blocks]):
+            pool.cached_block_hash_to_block.pop(key, b.block_id)
+    assert kept.current() == set()
+    pool.reset_prefix_cache()
+    assert kept.current() == set()
+    block = pool.get_new_blocks(1)[0]
+    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[3], GROUPS[0]),
+                                           block)
+    assert kept.current() == {hashes[3]}
+    # a key filed twice stays while one of its pages does
+    key = make_block_hash_with_group_id(hashes[5], GROUPS[0])
+    first, second = pool.get_new_blocks(2)
+    pool.cached_block_hash_to_block.insert(key, first)
+    pool.cached_block_hash_to_block.insert(key, second)
+    pool.cached_block_hash_to_block.pop(key, first.block_id)
+    assert kept.current() == {hashes[3], hashes[5]}
+    pool.cached_block_hash_to_block.pop(key, second.block_id)
+    assert kept.current() == {hashes[3]}
+    # another group's keys are not this group's states
+    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[7], GROUPS[1]),
+                                           pool.get_new_blocks(1)[0])
+    assert kept.current() == {hashes[3]}
