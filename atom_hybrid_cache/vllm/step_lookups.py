@@ -9,8 +9,9 @@ slowest steps the two lookups were a third of the step. The answer depends
 only on which of the request's prefix hashes the pool indexes, and on which
 block each names; so a kept answer stands until the pool's prefix index
 inserts or removes a key of one of the request's hashes (an allocation that
-evicts, a running prefill that caches). The index's `insert` and `pop` tell
-this object, which lists the hashes of the keys changed in the step; when
+evicts, a running prefill that caches). The pool's watcher of the index
+(`prefix_index_watch.py`) lists the hashes of the keys changed in the step
+while a lookup is kept; when
 vLLM asks again, a kept answer is given only if none of the hashes changed
 since it was kept is one of the request's (one pass over its hashes, and
 none where nothing changed: no set of a long prompt's thousands of hashes
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from . import prefix_index_watch
+
 
 class StepLookups:
     def __init__(self, coordinator, pool) -> None:
@@ -33,44 +36,22 @@ class StepLookups:
         # so its id stays its own
         self._kept: dict = {}
         # the hashes of the index keys inserted or removed while any lookup
-        # is kept, in order
+        # is kept, in order (the watch appends them)
         self._changes: list = []
         self._recording = False
-        self._index = None
+        self._watch = prefix_index_watch.of_pool(pool)
+        self._index = self._watch.current()
         # counters: lookups answered from a kept one, kept ones dropped by a change
         self.answered = 0
         self.dropped = 0
         coordinator.find_longest_cache_hit = self.find_longest_cache_hit
-        self._watch(pool.cached_block_hash_to_block)
-
-    def _watch(self, index) -> None:
-        """Have the prefix index report each key it inserts or removes."""
-        self._index = index
-        insert, pop = index.insert, index.pop
-
-        # (a key is the hash and a 4-byte group id)
-        def watched_insert(key, block) -> None:
-            if self._kept:
-                self._changes.append(key[:-4])
-            insert(key, block)
-
-        def watched_pop(key, block_id):
-            popped = pop(key, block_id)
-            if popped is not None and self._kept:
-                self._changes.append(key[:-4])
-            return popped
-
-        index.insert = watched_insert
-        index.pop = watched_pop
 
     def record(self) -> None:
         """From now until `forget`, lookups are kept (the plugin's, before
         vLLM's `schedule()`)."""
-        self._kept = {}
-        self._changes = []
+        self.forget()
         self._recording = True
-        if self.pool.cached_block_hash_to_block is not self._index:
-            self._watch(self.pool.cached_block_hash_to_block)   # reset: a new index
+        self._index = self._watch.current()   # after a reset: the new index
 
     def stop_recording(self) -> None:
         """vLLM's own lookups are answered from the kept ones, not kept."""
@@ -79,6 +60,7 @@ class StepLookups:
     def forget(self) -> None:
         self._kept = {}
         self._changes = []
+        self._watch.change_log = None
         self._recording = False
 
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length: int):
@@ -95,4 +77,5 @@ class StepLookups:
         answer = self._find(block_hashes, max_cache_hit_length)
         if self._recording and self.pool.cached_block_hash_to_block is self._index:
             self._kept[key] = [answer, block_hashes, len(self._changes)]
+            self._watch.change_log = self._changes
         return answer

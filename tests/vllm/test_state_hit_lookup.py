@@ -119,3 +119,23 @@ def test_the_kept_hashes_follow_the_index_through_a_reset():
     pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[7], GROUPS[1]),
                                            pool.get_new_blocks(1)[0])
     assert kept.current() == {hashes[3]}
+
+
+def test_first_at_or_below_is_the_plain_scan():
+    """The C scan over a slice answers as a loop over the indices would,
+    tops past the list's end and a stop at index 0 included."""
+    from atom_hybrid_cache.vllm.state_hashes import first_at_or_below
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randrange(0, 40)
+        hashes = [bytes([i]) for i in range(n)]
+        kept = {h for h in hashes if rng.random() < 0.15}
+        step = rng.choice([1, 1, 3, 10])
+        last = rng.randrange(0, 45)
+        first = last + rng.randrange(-2, 50)
+        asked = list(range(first, last - 1, -step))
+        want = next((k for k, i in enumerate(asked) if i < n and hashes[i] in kept), len(asked))
+        assert first_at_or_below(kept, hashes, first, last, step) == want, (n, first, last, step)
+    # exact: the third asked index (20, 10, 0: index 0) holds the only kept hash
+    assert first_at_or_below({b"\x00"}, [bytes([i]) for i in range(25)], 20, 0, 10) == 2
