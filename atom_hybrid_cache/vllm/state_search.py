@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
+from vllm.v1.core.kv_cache_utils import KVCacheBlock
+
 from ..core.eviction import highest_states_at_or_below
+from . import private_api
 from .state_hashes import StateHashes, first_at_or_below
 
 # How far below each top (in state pages) `highest_at_or_below` looks.
@@ -24,6 +27,10 @@ class StateSearch:
         self.page = page
         # the hashes the first state group indexes a state under (the filter)
         self.hashes = StateHashes(pool, self.groups[0])
+        # each group's key suffix, to read vLLM's prefix index dict directly
+        # (None: vLLM's `get_cached_block`)
+        suffixes = [private_api.index_key_suffix(pool, g) for g in self.groups]
+        self._suffixes = None if None in suffixes else suffixes
 
     def states_at(self, block_hashes: Sequence, pos: int) -> Optional[list]:
         """Every state group's page of the state after `pos` tokens of this
@@ -31,10 +38,40 @@ class StateSearch:
         i = pos // self.hash_unit - 1
         if i >= len(block_hashes):
             return None
-        hit = self.pool.get_cached_block(block_hashes[i], self.groups)
-        if hit is not None and all(b.block_hash_num_tokens == pos for b in hit):
-            return hit
-        return None
+        return self._reader()(block_hashes[i], pos)
+
+    def _reader(self) -> Callable[[object, int], Optional[list]]:
+        """(block hash, pos) -> every state group's page of the state after
+        `pos` tokens filed under that hash, or None: vLLM's
+        `get_cached_block` and a check of each page's position, as reads of
+        the prefix index's dict where it is the plain one
+        (`private_api.prefix_index`; a state walk asks a few a step, each
+        through a key built per group and two calls a page in vLLM's)."""
+        index = private_api.prefix_index(self.pool) if self._suffixes is not None else None
+        if index is None:
+            pool, groups = self.pool, self.groups
+
+            def read(block_hash, pos: int) -> Optional[list]:
+                hit = pool.get_cached_block(block_hash, groups)
+                if hit is not None and all(b.block_hash_num_tokens == pos for b in hit):
+                    return hit
+                return None
+            return read
+        get, suffixes = index.get, self._suffixes
+
+        def read(block_hash, pos: int) -> Optional[list]:
+            out = []
+            for suffix in suffixes:
+                b = get(block_hash + suffix)
+                if b is None:
+                    return None
+                if b.__class__ is not KVCacheBlock:
+                    b = next(iter(b.values()))   # filed twice: vLLM's first
+                if b.block_hash_num_tokens != pos:
+                    return None
+                out.append(b)
+            return out
+        return read
 
     def probe(self, block_hashes: Sequence) -> Callable[[int], Optional[list]]:
         """`states_at` for this prefix as one call a position, behind a cheap
@@ -43,12 +80,13 @@ class StateSearch:
         None without vLLM's lookup."""
         unit, n = self.hash_unit, len(block_hashes)
         hashes = self.hashes.current()
+        read = self._reader()
 
         def state_at(pos: int) -> Optional[list]:
             i = pos // unit - 1
             if i >= n or (hashes is not None and block_hashes[i] not in hashes):
                 return None
-            return self.states_at(block_hashes, pos)
+            return read(block_hashes[i], pos)
         return state_at
 
     def highest_at_or_below(self, block_hashes: Sequence, tops,

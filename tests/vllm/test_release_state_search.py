@@ -27,19 +27,23 @@ H = 64
 def pool_with_states(rng, hashes, num_states: int) -> tuple[BlockPool, set]:
     """States at random unit boundaries of `hashes`; some in only part of
     the groups (evicted from the others), some filed under a length that
-    is not their position (another prompt's page under the same hash).
-    Returns the pool and the positions every group holds correctly."""
-    pool = BlockPool(num_gpu_blocks=4 * num_states + 8, enable_caching=True, hash_block_size=H)
+    is not their position (another prompt's page under the same hash), some
+    filed under one key twice (vLLM's index then holds a dict of pages, and
+    its first is read). Returns the pool and the positions every group
+    holds correctly."""
+    pool = BlockPool(num_gpu_blocks=8 * num_states + 8, enable_caching=True, hash_block_size=H)
     full = set()
     for i in rng.sample(range(len(hashes)), num_states):
         pos = (i + 1) * H
         roll = rng.random()
         groups = GROUPS if roll < 0.8 else rng.sample(GROUPS, rng.randint(1, 2))
         length = pos if roll < 0.7 or roll >= 0.8 else pos + H
-        for g, block in zip(groups, pool.get_new_blocks(len(groups))):
-            block._block_hash_num_tokens = length
-            pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], g),
-                                                   block)
+        copies = 2 if rng.random() < 0.2 else 1
+        for g in groups:
+            for block in pool.get_new_blocks(copies):
+                block._block_hash_num_tokens = length
+                pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], g),
+                                                       block)
         if groups == GROUPS and length == pos:
             full.add(pos)
     return pool, full
