@@ -24,6 +24,8 @@ CHECKPOINT_PLACEMENT = "checkpoint placement (prefill chunks end on planned chec
 EVICTION_ORDER = "eviction order (a freed request's pages leave in units)"
 STEADY_SHORTCUTS = "steady-step shortcuts of the state managers"
 FAST_PREFIX_LOOKUP = "one-lookup state search in the prefix index"
+PREFILL_STATS_SCAN = ("the finished prefill's cached-token estimate in C (vLLM's "
+                      "estimate_cached_tokens runs instead)")
 CPU_GDN_FORWARD = ("the plugin's CPU GDN and KDA forwards (interior checkpoints, float32 "
                    "models, KDA on CPU; vLLM's forward runs instead)")
 REPLAYSSM_ALIGN = ("ReplaySSM with prefix caching (align mode page moves; without it "
@@ -59,6 +61,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_MAMBA_MANAGER, "_num_retired_blocks", STEADY_SHORTCUTS, on_instances=True),
     PrivateName("vllm.v1.core.block_pool:BlockHashToBlockMap", "_cache", FAST_PREFIX_LOOKUP,
                 on_instances=True),
+    PrivateName("vllm.v1.core.kv_cache_utils:KVCacheBlock", "_block_hash_num_tokens",
+                PREFILL_STATS_SCAN),
     PrivateName(_TORCH_UTILS, "_encode_layer_name", CPU_GDN_FORWARD),
     PrivateName(_TORCH_UTILS, "_resolve_layer_name", CPU_GDN_FORWARD),
     PrivateName("vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn:"

@@ -23,7 +23,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import admission, attention_lookup, release
+from . import admission, attention_lookup, cached_tokens_estimate, release
 from .admission_order import order_waiting
 from .scheduler_setup import SchedulerParts, build_parts
 from .step_lookups import StepLookups
@@ -40,6 +40,7 @@ class AtomSchedulerMixin:
     def _atom_setup(self) -> None:
         self.atom = build_parts(self)
         attention_lookup.install(self.kv_cache_manager.coordinator)
+        cached_tokens_estimate.install(self.kv_cache_manager)
         if self.atom.gate is not None or self.atom.hits_first:
             kvm = self.kv_cache_manager
             self.atom_lookups = StepLookups(kvm.coordinator, kvm.block_pool)

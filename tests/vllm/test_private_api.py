@@ -43,6 +43,10 @@ def _scan():
                     and isinstance(node.args[1], ast.Constant)
                     and isinstance(node.args[1].value, str) and _private(node.args[1].value)):
                 used.add(node.args[1].value)
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+                    and node.func.id == "attrgetter"):
+                used.update(a.value for a in node.args if isinstance(a, ast.Constant)
+                            and isinstance(a.value, str) and _private(a.value))
             if isinstance(node, ast.Attribute) and _private(node.attr):
                 if isinstance(node.ctx, ast.Store):
                     defined.add(node.attr)
