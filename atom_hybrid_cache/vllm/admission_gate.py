@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..config import ADMISSION_GATE_MAX_HOLD_STEPS as MAX_HOLD_STEPS
 from ..core.admission import PageGroup, pages_to_admit, pages_to_finish
-from ..core.gate_steps import GateDecision, GateSteps, gate_step, unprotect_last
+from ..core.gate_steps import GateDecision, GateSteps
 from ..core.stats import CacheStats
 
 
@@ -184,15 +184,3 @@ def _look_up(kvm, window, hits: dict) -> list:
                                      pages_to_admit(groups, request.num_tokens, hit), evictable))
     return candidates
 
-
-def _unprotect_last(candidates, protected: dict, room: int) -> int:
-    """core.gate_steps.unprotect_last over vLLM's blocks."""
-    return unprotect_last([c.hit_blocks for c in candidates], protected, room, _block_id)
-
-
-def _decide(sched, candidates, protected: dict, room: int,
-            overdue: frozenset | set = frozenset()) -> GateStep:
-    """`overdue`: ids of requests held too long to be held again."""
-    held, pinned = gate_step(candidates, protected, room, _token_budget(sched),
-                             bool(sched.running), overdue, _block_id)
-    return GateStep(pinned, [candidates[i].request for i in held])

@@ -148,8 +148,23 @@ def _names(requests):
     return [r.request_id for r in requests]
 
 
+def _decide(sched, candidates, protected: dict, room: int, overdue=frozenset()):
+    """The core's step decision over vLLM's blocks, as `AdmissionGate.open`
+    makes it (`overdue`: ids of requests held too long to be held again)."""
+    from atom_hybrid_cache.core.gate_steps import gate_step
+    from atom_hybrid_cache.vllm.admission_gate import GateStep, _block_id, _token_budget
+    held, pinned = gate_step(candidates, protected, room, _token_budget(sched),
+                             bool(sched.running), overdue, _block_id)
+    return GateStep(pinned, [candidates[i].request for i in held])
+
+
+def _unprotect_last(candidates, protected: dict, room: int) -> int:
+    from atom_hybrid_cache.core.gate_steps import unprotect_last
+    from atom_hybrid_cache.vllm.admission_gate import _block_id
+    return unprotect_last([c.hit_blocks for c in candidates], protected, room, _block_id)
+
+
 def test_with_nothing_running_and_nothing_fitting_the_smallest_goes_alone():
-    from atom_hybrid_cache.vllm.admission_gate import _decide
     step = _decide(_stand_in(), [_candidate("a", 5), _candidate("b", 3), _candidate("c", 8)],
                    {1: "page 1"}, room=2)
     assert _names(step.held) == ["a", "c"] and step.pinned == []
@@ -158,7 +173,6 @@ def test_with_nothing_running_and_nothing_fitting_the_smallest_goes_alone():
 def test_requests_that_fit_go_in_queue_order_and_the_others_wait():
     from types import SimpleNamespace
 
-    from atom_hybrid_cache.vllm.admission_gate import _decide
     running = [SimpleNamespace(num_prompt_tokens=500, num_computed_tokens=400)]
     step = _decide(_stand_in(running), [_candidate("a", 3), _candidate("b", 10),
                                         _candidate("c", 2), _candidate("d", 2)],
@@ -170,7 +184,6 @@ def test_requests_that_fit_go_in_queue_order_and_the_others_wait():
 
 
 def test_an_overdue_request_is_not_held_again():
-    from atom_hybrid_cache.vllm.admission_gate import _decide
     # b (10 pages) does not fit the 6, but it was held long enough: it goes,
     # and c, which would have fitted after a, waits behind it
     step = _decide(_stand_in(), [_candidate("a", 3), _candidate("b", 10), _candidate("c", 2)],
@@ -183,7 +196,6 @@ def test_an_overdue_request_is_not_held_again():
 
 
 def test_past_the_token_budget_nobody_is_held():
-    from atom_hybrid_cache.vllm.admission_gate import _decide
     # a takes the whole step's tokens: vLLM does not reach b, so b is not
     # held (and its prefix stays protected)
     step = _decide(_stand_in(batched=2048), [_candidate("a", 3, new_tokens=4096),
@@ -194,7 +206,7 @@ def test_past_the_token_budget_nobody_is_held():
 def test_the_running_reserve_unprotects_the_last_prefixes_first():
     from types import SimpleNamespace
 
-    from atom_hybrid_cache.vllm.admission_gate import _Candidate, _unprotect_last
+    from atom_hybrid_cache.vllm.admission_gate import _Candidate
     pages = {i: SimpleNamespace(block_id=i) for i in range(1, 6)}
     first = _Candidate(None, ([pages[1], pages[2]],), 128, 1)
     last = _Candidate(None, ([pages[3], pages[4], pages[5]],), 192, 1)
