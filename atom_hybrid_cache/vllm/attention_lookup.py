@@ -58,7 +58,7 @@ class AtomAttentionLookup(FullAttentionManager):
             first = n * scale
             last = min(first + scale - 1, max_length // unit, len(block_hashes))
             for i in range(last - 1, first - 1, -1):
-                tail = [_one(index.get(block_hashes[i] + sfx)) for sfx in suffixes]
+                tail = [one_block(index.get(block_hashes[i] + sfx)) for sfx in suffixes]
                 if None in tail:
                     continue
                 for blocks, b in zip(hit, tail):
@@ -73,9 +73,10 @@ class AtomAttentionLookup(FullAttentionManager):
         return hit, hit_length
 
 
-def _one(found):
-    """vLLM's `get_one_block` on a dict value: a block, or a dict of blocks
-    of one hash (the first), or None."""
+def one_block(found):
+    """vLLM's `get_one_block` on a value of the prefix index's dict: a
+    block, or a dict of the blocks filed under one key (the first), or
+    None (also read by state_search.py)."""
     if found is None or found.__class__ is KVCacheBlock:
         return found
     return next(iter(found.values()))

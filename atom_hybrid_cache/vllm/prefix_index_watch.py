@@ -82,44 +82,32 @@ class PrefixIndexWatch:
         insert, pop = getattr(index_map, "_atom_unwrapped", (index_map.insert, index_map.pop))
         index_map._atom_unwrapped = (insert, pop)
         watch = self
+        # the set's keys: those ending in the state group's suffix (none
+        # where no set is kept)
+        keeps = suffix is not None
+        cut = -len(suffix) if keeps else 0
+        hashes = {key[:cut] for key in index if key.endswith(suffix)} if keeps else set()
+        self.state_hashes = hashes
+
         # (a key is the block hash and a 4-byte group id)
-        if suffix is None:
-            def watched_insert(key, block) -> None:
-                insert(key, block)
+        def watched_insert(key, block) -> None:
+            insert(key, block)
+            if keeps and key.endswith(suffix):
+                hashes.add(key[:cut])
+            log = watch.change_log
+            if log is not None:
+                log.append(key[:-4])
+
+        def watched_pop(key, block_id):
+            popped = pop(key, block_id)
+            if popped is not None:
+                # another page may still be filed under the key
+                if keeps and key.endswith(suffix) and key not in index:
+                    hashes.discard(key[:cut])
                 log = watch.change_log
                 if log is not None:
                     log.append(key[:-4])
-
-            def watched_pop(key, block_id):
-                popped = pop(key, block_id)
-                if popped is not None:
-                    log = watch.change_log
-                    if log is not None:
-                        log.append(key[:-4])
-                return popped
-        else:
-            cut = -len(suffix)
-            hashes = {key[:cut] for key in index if key.endswith(suffix)}
-            self.state_hashes = hashes
-
-            def watched_insert(key, block) -> None:
-                insert(key, block)
-                if key.endswith(suffix):
-                    hashes.add(key[:cut])
-                log = watch.change_log
-                if log is not None:
-                    log.append(key[:-4])
-
-            def watched_pop(key, block_id):
-                popped = pop(key, block_id)
-                if popped is not None:
-                    # another page may still be filed under the key
-                    if key.endswith(suffix) and key not in index:
-                        hashes.discard(key[:cut])
-                    log = watch.change_log
-                    if log is not None:
-                        log.append(key[:-4])
-                return popped
+            return popped
 
         index_map.insert = watched_insert
         index_map.pop = watched_pop

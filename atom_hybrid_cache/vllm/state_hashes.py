@@ -24,7 +24,6 @@ from . import prefix_index_watch
 
 class StateHashes:
     def __init__(self, pool, group_id: int) -> None:
-        self.group_id = group_id
         # the set is kept by the pool's one watcher of the index
         self.watch = prefix_index_watch.of_pool(pool)
         self.watch.keep_state_hashes(group_id)

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from vllm.v1.core.kv_cache_utils import KVCacheBlock
-
 from ..core.eviction import highest_states_at_or_below
 from . import private_api
+from .attention_lookup import one_block
 from .state_hashes import StateHashes, first_at_or_below
 
 # How far below each top (in state pages) `highest_at_or_below` looks.
@@ -62,12 +61,8 @@ class StateSearch:
         def read(block_hash, pos: int) -> Optional[list]:
             out = []
             for suffix in suffixes:
-                b = get(block_hash + suffix)
-                if b is None:
-                    return None
-                if b.__class__ is not KVCacheBlock:
-                    b = next(iter(b.values()))   # filed twice: vLLM's first
-                if b.block_hash_num_tokens != pos:
+                b = one_block(get(block_hash + suffix))   # filed twice: vLLM's first
+                if b is None or b.block_hash_num_tokens != pos:
                     return None
                 out.append(b)
             return out
