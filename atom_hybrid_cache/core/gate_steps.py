@@ -46,8 +46,9 @@ def protected_pages(candidates: Sequence, key: Callable) -> dict:
     each prefix bottom up."""
     protected: dict = {}
     for c in candidates:
-        for p in c.evictable:
-            protected.setdefault(key(p), p)
+        # (a page's key names it alone: a page met again keeps its first
+        # place, as with setdefault, at C speed over a long prefix)
+        protected.update(zip(map(key, c.evictable), c.evictable))
     return protected
 
 

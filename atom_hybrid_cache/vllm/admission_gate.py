@@ -115,12 +115,14 @@ class AdmissionGate:
             return None
         kvm = sched.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
-        candidates = _look_up(kvm, itertools.islice(waiting, limit), {**remembered, **(hits or {})})
+        groups = _page_groups(managers)
+        candidates = _look_up(kvm, groups, itertools.islice(waiting, limit),
+                              {**remembered, **(hits or {})})
         if not candidates:
             return None
         decision = self.steps.decide(
             candidates, kvm.block_pool.get_num_free_blocks(),
-            _running_reserve(managers, sched.running), _token_budget(sched),
+            _running_reserve(managers, groups, sched.running), _token_budget(sched),
             bool(sched.running), MAX_HOLD_STEPS, key=_block_id)
         kvm.block_pool.touch(decision.pinned)
         step = GateStep(decision.pinned, [candidates[i].request for i in decision.held])
@@ -151,9 +153,9 @@ def _page_groups(managers) -> list[PageGroup]:
     return [PageGroup(isinstance(m.kv_cache_spec, MambaSpec), m.block_size) for m in managers]
 
 
-def _running_reserve(managers, running) -> int:
-    """Pages the running requests still take to finish their prefill."""
-    groups = _page_groups(managers)
+def _running_reserve(managers, groups: list[PageGroup], running) -> int:
+    """Pages the running requests still take to finish their prefill
+    (`groups`: the managers' page groups)."""
     return sum(pages_to_finish(groups, r.num_prompt_tokens, r.num_computed_tokens,
                                lambda g: len(managers[g].req_to_blocks.get(r.request_id, ())))
                for r in running)
@@ -165,11 +167,11 @@ def _token_budget(sched) -> int:
         max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in sched.running)
 
 
-def _look_up(kvm, window, hits: dict) -> list:
+def _look_up(kvm, groups: list[PageGroup], window, hits: dict) -> list:
     """The window's requests that start on a prefix lookup, with their hit
-    pages that are evictable now. `hits`: lookups that still stand (made
-    this step, or remembered from the last)."""
-    groups = _page_groups(kvm.coordinator.single_type_managers)
+    pages that are evictable now. `groups`: the page group of each KV cache
+    group; `hits`: lookups that still stand (made this step, or remembered
+    from the last)."""
     candidates = []
     for request in window:
         if request.num_computed_tokens or not kvm.prefix_cache_lookup_enabled(request):

@@ -7,7 +7,8 @@ generator step, a method call, a key and a list per block; in the slowest
 scheduler steps, where a long resend arrives, it is the largest single
 part. The plugin's admission looks the waiting requests up before vLLM
 does (`admission_gate`), so the walk is on its path twice as often. This
-walk reads the prefix index's dict directly (`private_api.prefix_index`)
+walk reads each group's mirror of the prefix index, keyed by the block
+hash alone (`prefix_index_watch.py`: no key built and hashed a block),
 and returns what `FullAttentionManager.find_longest_cache_hit` returns,
 including the hash-unit probes inside the first uncached block; a case it
 does not cover (EAGLE's dropped block, context-parallel sharding, a hash
@@ -20,7 +21,7 @@ from __future__ import annotations
 from vllm.v1.core.kv_cache_utils import KVCacheBlock
 from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-from . import private_api
+from . import prefix_index_watch, private_api
 
 
 class AtomAttentionLookup(FullAttentionManager):
@@ -32,15 +33,14 @@ class AtomAttentionLookup(FullAttentionManager):
                                block_pool, kv_cache_spec, drop_eagle_block: bool,
                                alignment_tokens: int, dcp_world_size: int = 1,
                                pcp_world_size: int = 1):
-        index = private_api.prefix_index(block_pool)
-        suffixes = ([private_api.index_key_suffix(block_pool, g) for g in kv_cache_group_ids]
-                    if index is not None else [None])
+        watch = prefix_index_watch.of_pool(block_pool)
+        mirrors = [watch.mirror(g) for g in kv_cache_group_ids]
         B = kv_cache_spec.block_size
         unit = block_pool.hash_block_size
         # vLLM probes inside a block at its hash units only (the caller's
         # alignment is then the hash unit)
         fine = alignment_tokens < B and B % alignment_tokens == 0
-        if (index is None or None in suffixes or drop_eagle_block or dcp_world_size > 1
+        if (None in mirrors or drop_eagle_block or dcp_world_size > 1
                 or pcp_world_size > 1 or type(block_hashes) is not list
                 or B % unit or (fine and alignment_tokens != unit)):
             return super().find_longest_cache_hit(
@@ -49,7 +49,7 @@ class AtomAttentionLookup(FullAttentionManager):
         scale = B // unit
         # the hash of a block is that of its last hash unit (chained)
         ends = block_hashes[scale - 1:max_length // B * scale:scale]
-        hit = tuple(_walk(index, ends, sfx) for sfx in suffixes)
+        hit = tuple(_walk(entries, ends) for entries in mirrors)
         # every group must hold the block: the shortest run is the hit
         n = min(len(h) for h in hit)
         hit_length = n * B
@@ -58,7 +58,7 @@ class AtomAttentionLookup(FullAttentionManager):
             first = n * scale
             last = min(first + scale - 1, max_length // unit, len(block_hashes))
             for i in range(last - 1, first - 1, -1):
-                tail = [one_block(index.get(block_hashes[i] + sfx)) for sfx in suffixes]
+                tail = [one_block(entries.get(block_hashes[i])) for entries in mirrors]
                 if None in tail:
                     continue
                 for blocks, b in zip(hit, tail):
@@ -82,13 +82,13 @@ def one_block(found):
     return next(iter(found.values()))
 
 
-def _walk(index: dict, ends: list, suffix: bytes) -> list:
+def _walk(entries: dict, ends: list) -> list:
     """The cached blocks of `ends` (block hashes) from the first, up to the
-    first one not cached."""
+    first one not cached (`entries`: a group's mirror of the index)."""
     out = []
-    get = index.get
+    get = entries.get
     for h in ends:
-        b = get(h + suffix)
+        b = get(h)
         if b is None:
             break
         out.append(b if b.__class__ is KVCacheBlock else next(iter(b.values())))

@@ -1,15 +1,24 @@
 """One watcher of vLLM's prefix index (`BlockPool.cached_block_hash_to_block`)
 for everything the plugin keeps in step with it.
 
-Two things follow the index's changes: the set of hashes under which it
-holds a state of the first state group (`state_hashes.py`, for the state
-walks) and the log of the hashes whose keys changed while a lookup is kept
-(`step_lookups.py`). The index's `insert` and `pop` are wrapped once, by
-this object, and each wrapper does both jobs inline: every page vLLM
-caches or evicts goes through them, a few hundred in a long prefill's step,
-where a wrapper each (or a listener call each) would cost a Python call a
-page more. A reset replaces the index; `current` wraps the new one and
-rebuilds the set from it. One watch per block pool (`of_pool`).
+Two things follow the index's changes:
+- per KV cache group asked for, a mirror of the group's entries keyed by
+  the block hash alone ({block hash: the index's value, a block or vLLM's
+  dict of the blocks filed under it}). vLLM keys its index by the hash and
+  a 4-byte group id, so each read of it builds and hashes a new key; a
+  long prompt's lookup reads hundreds, one per attention block
+  (`attention_lookup.py`), where a read of the mirror is one dict read of
+  a hash Python has already hashed. The first state group's mirror is also
+  the set of hashes its states are filed under (`state_hashes.py`, for the
+  state walks);
+- the log of the hashes whose keys changed while a lookup is kept
+  (`step_lookups.py`).
+The index's `insert` and `pop` are wrapped once, by this object, and each
+wrapper does both jobs inline: every page vLLM caches or evicts goes
+through them (a few tens a step), where a wrapper each (or a listener call
+each) would cost a Python call a page more. A reset replaces the index;
+`current` wraps the new one and rebuilds the mirrors from it. One watch per
+block pool (`of_pool`).
 """
 
 from __future__ import annotations
@@ -20,6 +29,11 @@ from typing import Optional
 from . import private_api
 
 _of_pool: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+# vLLM's key: the block hash, then the group id in this many bytes
+# (`make_block_hash_with_group_id`; a suffix of another length keeps no
+# mirror)
+GROUP_ID_BYTES = 4
 
 
 def of_pool(pool) -> "PrefixIndexWatch":
@@ -40,20 +54,15 @@ class PrefixIndexWatch:
         self.pool = pool
         # the index map whose insert and pop are wrapped (None: not yet)
         self.index_map = None
-        # the state group whose keys' hashes are kept, and its key suffix
-        # (None: no set kept, or the index is not the plain dict this reads)
-        self.state_group: Optional[int] = None
-        self._suffix: Optional[bytes] = None
-        self.state_hashes: set = set()
+        # the plain dict behind it (None: not the dict this reads, no mirror)
+        self._index_dict: Optional[dict] = None
+        # group id -> its key suffix, for the groups mirrored
+        self._suffixes: dict = {}
+        # key suffix -> {block hash: the index's value}; replaced at a reset
+        self._mirrors: dict = {}
         # where the hashes of changed keys go while a step's lookups are
         # kept (step_lookups.py sets and clears it); None: not logged
         self.change_log: Optional[list] = None
-
-    def keep_state_hashes(self, group_id: int) -> None:
-        """Keep the hashes of `group_id`'s keys (one group per pool)."""
-        self.state_group = group_id
-        self._suffix = private_api.index_key_suffix(self.pool, group_id)
-        self.index_map = None   # wrapped again, with the set, when next asked
 
     def current(self):
         """The index map as watched now (wrapped again after a reset)."""
@@ -62,53 +71,71 @@ class PrefixIndexWatch:
             self._wrap(index_map)
         return index_map
 
-    def kept_state_hashes(self) -> Optional[set]:
-        """The hashes whose key of the state group the index holds now, or
-        None where they are not kept (callers then ask vLLM's index)."""
-        if self._suffix is None:
-            return None
+    def mirror(self, group_id: int) -> Optional[dict]:
+        """`group_id`'s entries of the index as they stand now, keyed by the
+        block hash; kept from the first ask on. None where the index is not
+        the plain dict this reads (callers then read vLLM's)."""
         self.current()
-        return self.state_hashes if self._suffix is not None else None
+        suffix = self._suffixes.get(group_id)
+        if suffix is None:
+            if self._index_dict is None:
+                return None
+            suffix = private_api.index_key_suffix(self.pool, group_id)
+            if suffix is None or len(suffix) != GROUP_ID_BYTES:
+                return None
+            self._suffixes[group_id] = suffix
+            self._mirrors[suffix] = _entries(self._index_dict, suffix)
+        return self._mirrors[suffix]
+
+    def kept_mirror(self, group_id: int) -> Optional[dict]:
+        """`mirror` for a group already mirrored; None for any other."""
+        return self.mirror(group_id) if group_id in self._suffixes else None
 
     def _wrap(self, index_map) -> None:
-        suffix = self._suffix
-        index = None
-        if suffix is not None:
-            index = private_api.prefix_index(self.pool)
-            if index is None:
-                suffix = self._suffix = None
-        # the unwrapped methods: a map wrapped before (its set is rebuilt)
-        # keeps the ones this object saved on it
+        cache = self._index_dict = private_api.prefix_index(self.pool)
+        if cache is None:
+            self._suffixes = {}
+        # the mirrors of the new index (a reset: rebuilt from it)
+        mirrors = self._mirrors = {s: _entries(cache, s) for s in self._suffixes.values()}
+        # the unwrapped methods: a map wrapped before (its mirrors are
+        # rebuilt) keeps the ones this object saved on it
         insert, pop = getattr(index_map, "_atom_unwrapped", (index_map.insert, index_map.pop))
         index_map._atom_unwrapped = (insert, pop)
         watch = self
-        # the set's keys: those ending in the state group's suffix (none
-        # where no set is kept)
-        keeps = suffix is not None
-        cut = -len(suffix) if keeps else 0
-        hashes = {key[:cut] for key in index if key.endswith(suffix)} if keeps else set()
-        self.state_hashes = hashes
+        cut = -GROUP_ID_BYTES
 
-        # (a key is the block hash and a 4-byte group id)
         def watched_insert(key, block) -> None:
             insert(key, block)
-            if keeps and key.endswith(suffix):
-                hashes.add(key[:cut])
+            h = key[:cut]
+            entries = mirrors.get(key[cut:])
+            if entries is not None:
+                entries[h] = cache[key]   # the block, or vLLM's dict of them
             log = watch.change_log
             if log is not None:
-                log.append(key[:-4])
+                log.append(h)
 
         def watched_pop(key, block_id):
             popped = pop(key, block_id)
             if popped is not None:
-                # another page may still be filed under the key
-                if keeps and key.endswith(suffix) and key not in index:
-                    hashes.discard(key[:cut])
+                h = key[:cut]
+                entries = mirrors.get(key[cut:])
+                # another page may still be filed under the key: vLLM puts
+                # back the dict of them, the mirror's value already
+                if entries is not None and key not in cache:
+                    del entries[h]
                 log = watch.change_log
                 if log is not None:
-                    log.append(key[:-4])
+                    log.append(h)
             return popped
 
         index_map.insert = watched_insert
         index_map.pop = watched_pop
         self.index_map = index_map
+
+
+def _entries(cache: Optional[dict], suffix: bytes) -> dict:
+    """{block hash: value} of `cache`'s keys ending in `suffix`."""
+    if cache is None:
+        return {}
+    cut = -len(suffix)
+    return {key[:cut]: value for key, value in cache.items() if key.endswith(suffix)}

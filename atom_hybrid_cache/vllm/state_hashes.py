@@ -1,49 +1,52 @@
 """The block hashes under which vLLM's prefix index holds a state of the
-first state group, as a set kept up to date as the index changes.
+first state group, kept up to date as the index changes (the keys of the
+group's mirror of the index, `prefix_index_watch.py`).
 
 Why: the plugin's state walks (a release's refreshed states, the floors, a
 lookup whose states are gone) ask position after position whether the
 index holds a state there, and a long prompt's walk asks hundreds to
 thousands of them, nearly all empty. Asked of vLLM's index, each question
 builds the key (the hash and the group's id), hashes it and misses in a dict
-of every group's pages; asked of this set, it is one membership of a hash
-whose own hash Python has already computed, in a set of the states alone,
+of every group's pages; asked of these hashes, it is one membership of a
+hash whose own hash Python has already computed, among the states alone,
 and a walk can run over the prefix in C (`first_at_or_below`). The pool's
-one watcher of the index (`prefix_index_watch.py`) keeps the set through
-each insert and pop, and rebuilds it after a reset. A candidate found here
-is still confirmed in vLLM's pool.
+one watcher of the index keeps them through each insert and pop, and
+rebuilds them after a reset. A candidate found here is still confirmed in
+vLLM's pool.
 """
 
 from __future__ import annotations
 
 from itertools import compress, count
-from typing import Optional, Sequence
+from typing import Container, KeysView, Optional, Sequence
 
 from . import prefix_index_watch
 
 
 class StateHashes:
     def __init__(self, pool, group_id: int) -> None:
-        # the set is kept by the pool's one watcher of the index
+        # the hashes are the keys of the group's mirror of the index, which
+        # the pool's one watcher keeps from now on
         self.watch = prefix_index_watch.of_pool(pool)
-        self.watch.keep_state_hashes(group_id)
+        self.group_id = group_id
+        self.watch.mirror(group_id)
 
-    def current(self) -> Optional[set]:
+    def current(self) -> Optional[KeysView]:
         """The hashes whose key of this group the index holds now, or None
         where they cannot be kept (callers then ask vLLM's index)."""
-        return self.watch.kept_state_hashes()
+        entries = self.watch.mirror(self.group_id)
+        return None if entries is None else entries.keys()
 
 
-def of_pool(pool, group_id: int) -> Optional[set]:
+def of_pool(pool, group_id: int) -> Optional[KeysView]:
     """The kept hashes of `group_id`'s states in `pool`, or None where no
     StateHashes keeps that group's."""
     watch = prefix_index_watch.existing(pool)
-    if watch is None or watch.state_group != group_id:
-        return None
-    return watch.kept_state_hashes()
+    entries = watch.kept_mirror(group_id) if watch is not None else None
+    return None if entries is None else entries.keys()
 
 
-def first_at_or_below(hashes: set, block_hashes: Sequence, first: int, last: int,
+def first_at_or_below(hashes: Container, block_hashes: Sequence, first: int, last: int,
                       step: int = 1) -> int:
     """How many of the indices first, first - step, ... down to `last` (>= 0)
     come before the first whose hash of `block_hashes` is in `hashes`; the

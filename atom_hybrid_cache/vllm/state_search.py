@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..core.eviction import highest_states_at_or_below
-from . import private_api
 from .attention_lookup import one_block
 from .state_hashes import StateHashes, first_at_or_below
 
@@ -24,12 +23,11 @@ class StateSearch:
         self.groups = list(state_groups)
         self.hash_unit = hash_unit
         self.page = page
-        # the hashes the first state group indexes a state under (the filter)
+        # the hashes the first state group indexes a state under (the filter),
+        # and the pool's watcher, whose mirror of each group's entries the
+        # reads use
         self.hashes = StateHashes(pool, self.groups[0])
-        # each group's key suffix, to read vLLM's prefix index dict directly
-        # (None: vLLM's `get_cached_block`)
-        suffixes = [private_api.index_key_suffix(pool, g) for g in self.groups]
-        self._suffixes = None if None in suffixes else suffixes
+        self._watch = self.hashes.watch
 
     def states_at(self, block_hashes: Sequence, pos: int) -> Optional[list]:
         """Every state group's page of the state after `pos` tokens of this
@@ -42,12 +40,13 @@ class StateSearch:
     def _reader(self) -> Callable[[object, int], Optional[list]]:
         """(block hash, pos) -> every state group's page of the state after
         `pos` tokens filed under that hash, or None: vLLM's
-        `get_cached_block` and a check of each page's position, as reads of
-        the prefix index's dict where it is the plain one
-        (`private_api.prefix_index`; a state walk asks a few a step, each
-        through a key built per group and two calls a page in vLLM's)."""
-        index = private_api.prefix_index(self.pool) if self._suffixes is not None else None
-        if index is None:
+        `get_cached_block` and a check of each page's position, as one read
+        of each group's mirror of the prefix index (`prefix_index_watch`;
+        a state walk asks a few a step, each through a key built per group
+        and two calls a page in vLLM's)."""
+        watch = self._watch
+        mirrors = [watch.mirror(g) for g in self.groups]
+        if None in mirrors:
             pool, groups = self.pool, self.groups
 
             def read(block_hash, pos: int) -> Optional[list]:
@@ -56,12 +55,12 @@ class StateSearch:
                     return hit
                 return None
             return read
-        get, suffixes = index.get, self._suffixes
+        gets = [entries.get for entries in mirrors]
 
         def read(block_hash, pos: int) -> Optional[list]:
             out = []
-            for suffix in suffixes:
-                b = one_block(get(block_hash + suffix))   # filed twice: vLLM's first
+            for get in gets:
+                b = one_block(get(block_hash))   # filed twice: vLLM's first
                 if b is None or b.block_hash_num_tokens != pos:
                     return None
                 out.append(b)

@@ -277,12 +277,13 @@ def test_the_running_reserve_counts_prefills_only():
 
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from atom_hybrid_cache.vllm.admission_gate import _running_reserve
+    from atom_hybrid_cache.vllm.admission_gate import _page_groups, _running_reserve
     state = SimpleNamespace(kv_cache_spec=object.__new__(MambaSpec), block_size=64,
                             req_to_blocks={"p": [1], "d": [2]})
     kv = SimpleNamespace(kv_cache_spec=object(), block_size=64,
                          req_to_blocks={"p": list(range(7)), "d": list(range(16))})
     prefill = SimpleNamespace(request_id="p", num_prompt_tokens=1000, num_computed_tokens=448)
     decode = SimpleNamespace(request_id="d", num_prompt_tokens=1000, num_computed_tokens=1003)
-    assert _running_reserve([state, kv], [prefill]) == 10
-    assert _running_reserve([state, kv], [prefill, decode]) == 10
+    groups = _page_groups([state, kv])
+    assert _running_reserve([state, kv], groups, [prefill]) == 10
+    assert _running_reserve([state, kv], groups, [prefill, decode]) == 10

@@ -101,3 +101,17 @@ def test_install_switches_vllms_full_attention_groups_only():
     c = Coordinator()
     assert install(c) == 1
     assert [g.manager_cls for g in c.attention_groups] == [AtomAttentionLookup, Other]
+
+
+def test_without_vllms_plain_index_dict_vllms_method_answers(monkeypatch):
+    """Where the prefix index is not the dict the mirrors read, no mirror is
+    kept and vLLM's walk answers."""
+    from atom_hybrid_cache.vllm import prefix_index_watch, private_api
+    monkeypatch.setattr(private_api, "prefix_index", lambda block_pool: None)
+    rng = random.Random(11)
+    hashes = [rng.randbytes(8) for _ in range(40)]
+    pool = _random_pool(rng, 16, 64, hashes, [0])
+    args = (hashes, 40 * 16, [0], pool, _spec(64), False, 16)
+    assert AtomAttentionLookup.find_longest_cache_hit(*args) == \
+        FullAttentionManager.find_longest_cache_hit(*args)
+    assert prefix_index_watch.of_pool(pool).mirror(0) is None

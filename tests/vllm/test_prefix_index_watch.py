@@ -4,6 +4,8 @@ both kept through a reset (real vLLM BlockPool; no model)."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -83,3 +85,62 @@ def test_one_wrapper_keeps_the_state_hashes_and_the_change_log(state_hashes_firs
     assert kept.current() == {b"t" * 32} and lookups._changes == [b"t" * 32]
     unwrapped_insert, _ = pool.cached_block_hash_to_block._atom_unwrapped
     assert unwrapped_insert.__func__ is BlockHashToBlockMap.insert
+
+
+def _index_entries(pool, group: int) -> dict:
+    """{block hash: [block ids]} of `group`'s keys in vLLM's index, read
+    through vLLM's own map."""
+    index_map = pool.cached_block_hash_to_block
+    suffix = make_block_hash_with_group_id(b"", group)
+    out = {}
+    for key, value in index_map._cache.items():
+        if key.endswith(suffix) and len(key) == len(suffix) + 32:
+            blocks = [value] if not isinstance(value, dict) else list(value.values())
+            out[key[:-len(suffix)]] = [b.block_id for b in blocks]
+    return out
+
+
+def _mirrored(entries: dict) -> dict:
+    return {h: [b.block_id for b in ([v] if not isinstance(v, dict) else v.values())]
+            for h, v in entries.items()}
+
+
+def test_a_groups_mirror_follows_every_insert_pop_and_reset():
+    rng = random.Random(3)
+    pool = BlockPool(num_gpu_blocks=500, enable_caching=True, hash_block_size=64)
+    watch = prefix_index_watch.of_pool(pool)
+    index_map = pool.cached_block_hash_to_block
+    hashes = [bytes([i]) * 32 for i in range(12)]
+    filed = []   # (key, block) the index holds
+    # entries filed before the mirror is asked for are read from the index
+    for h in hashes[:3]:
+        key = make_block_hash_with_group_id(h, KV_GROUP)
+        block = pool.get_new_blocks(1)[0]
+        index_map.insert(key, block)
+        filed.append((key, block))
+    entries = watch.mirror(KV_GROUP)
+    assert _mirrored(entries) == _index_entries(pool, KV_GROUP) and len(entries) == 3
+    for step in range(400):
+        if filed and rng.random() < 0.45:
+            key, block = filed.pop(rng.randrange(len(filed)))
+            assert index_map.pop(key, block.block_id) is block
+        else:
+            # a hash filed again names two blocks (vLLM's dict of them); the
+            # state group's keys are not this mirror's
+            key = make_block_hash_with_group_id(rng.choice(hashes), rng.choice([KV_GROUP, STATE_GROUP]))
+            block = pool.get_new_blocks(1)[0]
+            index_map.insert(key, block)
+            filed.append((key, block))
+        assert _mirrored(watch.mirror(KV_GROUP)) == _index_entries(pool, KV_GROUP), step
+    assert any(isinstance(v, dict) for v in watch.mirror(KV_GROUP).values())
+    # a pop whose block id is not filed under the key changes nothing
+    key, block = filed[0]
+    assert index_map.pop(key, 10_000) is None
+    assert _mirrored(watch.mirror(KV_GROUP)) == _index_entries(pool, KV_GROUP)
+    # a reset: the new index's (empty) entries, and it is followed
+    pool.free_blocks([b for b in pool.blocks[1:] if b.ref_cnt])
+    assert pool.reset_prefix_cache()
+    assert watch.mirror(KV_GROUP) == {}
+    _insert(pool, hashes[0], KV_GROUP)
+    assert _mirrored(watch.mirror(KV_GROUP)) == _index_entries(pool, KV_GROUP) \
+        and list(watch.mirror(KV_GROUP)) == [hashes[0]]
