@@ -94,7 +94,7 @@ class PrefixIndexWatch:
     def _wrap(self, index_map) -> None:
         cache = self._index_dict = private_api.prefix_index(self.pool)
         if cache is None:
-            self._suffixes = {}
+            self._suffixes = {}   # no mirror (`mirror` answers None)
         # the mirrors of the new index (a reset: rebuilt from it)
         mirrors = self._mirrors = {s: _entries(cache, s) for s in self._suffixes.values()}
         # the unwrapped methods: a map wrapped before (its mirrors are
@@ -133,9 +133,8 @@ class PrefixIndexWatch:
         self.index_map = index_map
 
 
-def _entries(cache: Optional[dict], suffix: bytes) -> dict:
-    """{block hash: value} of `cache`'s keys ending in `suffix`."""
-    if cache is None:
-        return {}
-    cut = -len(suffix)
-    return {key[:cut]: value for key, value in cache.items() if key.endswith(suffix)}
+def _entries(cache: dict, suffix: bytes) -> dict:
+    """{block hash: value} of `cache`'s keys ending in `suffix` (a group's
+    key suffix, GROUP_ID_BYTES long)."""
+    return {key[:-GROUP_ID_BYTES]: value for key, value in cache.items()
+            if key.endswith(suffix)}
