@@ -277,9 +277,9 @@ def build_parser() -> argparse.ArgumentParser:
     diag.set_defaults(handler=_run_diagnose)
 
     try:
-        from atom_hybrid_cache.replay.advise import GRID_HELP
+        from atom_hybrid_cache.replay.advise_grid import GRID_HELP
     except ImportError:     # the replay stack is optional for `diagnose`
-        GRID_HELP = "see atom_hybrid_cache/replay/advise.py."
+        GRID_HELP = "see atom_hybrid_cache/replay/advise_grid.py."
     adv = sub.add_parser(
         "advise",
         help="sweep the plugin's settings through the replay planner and print the serve command",
@@ -320,7 +320,7 @@ def _run_replay(args: argparse.Namespace) -> int:
 
 
 def _run_advise(args: argparse.Namespace) -> int:
-    from atom_hybrid_cache.replay.advise import run_advise
+    from atom_hybrid_cache.replay.advise_output import run_advise
     try:
         return int(run_advise(args) or 0)
     except (OSError, ValueError) as exc:

@@ -57,7 +57,7 @@ class _Conversation:
 
 
 class TokenSource:
-    """`simulator.BlockSource` over prompts given as token ids."""
+    """`prompt_hashes.BlockSource` over prompts given as token ids."""
 
     def prompt_block_tuples(self, conv, i: int, block_size: int) -> tuple[list, int]:
         p = conv.prompts[i]
@@ -69,7 +69,8 @@ def planner_cached(policy: str, convs, num_pages: int, block: int, in_flight: in
     """Cached tokens of the planner's model of `policy` on this workload."""
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
-    from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager, SharedPoolShape
+    from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
+    from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 
     plugin = policy.startswith("plugin")

@@ -225,7 +225,8 @@ def planner_cached(policy: str, convs, w, cell) -> int:
     import planner_agreement as A
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
-    from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager, SharedPoolShape
+    from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
+    from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 
     block = E.GEOMETRIES[GEOMETRY]["block_size"]

@@ -8,10 +8,11 @@ import pytest
 
 from atom_hybrid_cache.cli import add_advise_arguments, main
 from atom_hybrid_cache.config import load_settings, server_defaults
-from atom_hybrid_cache.replay.advise import (PAGE_UNIT, PLUGIN_HASH_UNIT, SERVER_AXES,
-                                             Candidate, Outcome, _combinations, advise, choose,
-                                             env_var, format_advice, grid, serve_line,
-                                             server_axes, split_halves)
+from atom_hybrid_cache.replay.advise import Outcome, advise, choose, split_halves
+from atom_hybrid_cache.replay.advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, SERVER_AXES,
+                                                  Candidate, combinations, env_var, grid,
+                                                  server_axes)
+from atom_hybrid_cache.replay.advise_output import format_advice, serve_line
 from atom_hybrid_cache.replay.geometry import geometry_from_args
 from atom_hybrid_cache.replay.trace_model import Conversation, TraceRequest
 from atom_hybrid_cache.replay.traces import default_sample_paths, load_traces
@@ -131,7 +132,7 @@ def test_grid_is_sixteen_candidates_defaults_first():
 
 
 SECOND_STAGE = [Candidate(unit, extra) for unit in (PLUGIN_HASH_UNIT, PAGE_UNIT)
-                for extra in _combinations(SERVER_AXES)[1:]]
+                for extra in combinations(SERVER_AXES)[1:]]
 
 
 @pytest.mark.parametrize("candidate", grid() + SECOND_STAGE, ids=lambda c: c.label())

@@ -7,7 +7,8 @@ import pytest
 
 from atom_hybrid_cache.config import PlacementConfig
 from atom_hybrid_cache.core.manager import Request
-from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager, SharedPoolShape
+from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
+from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
 from atom_hybrid_cache.replay.client_clock import ClientClock
 from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 

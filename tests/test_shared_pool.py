@@ -8,7 +8,8 @@ from atom_hybrid_cache.config import PlacementConfig
 from atom_hybrid_cache.core.hashing import hash_blocks
 from atom_hybrid_cache.core.manager import Request
 from atom_hybrid_cache.core.page_pool import PagePool
-from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager, SharedPoolShape
+from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
+from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
 
 UNIT, PAGE = 4, 8
 # the planner places one state, at half the prompt (a span checkpoint), and

@@ -166,6 +166,12 @@ def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float]) -
     return wanted + [int(end * f) for f in retain_fractions]
 
 
+# How far below each top (in state pages) a walk of
+# `highest_states_at_or_below` looks by default: the release's refreshed
+# states, in the adapter (vllm/state_search.py) and the planner's model.
+SEARCH_PAGES = 64
+
+
 def highest_states_at_or_below(tops, hash_unit: int, page: int, max_pages: int,
                                state_at: Callable[[int], Optional[list]],
                                first_candidate: Optional[Callable[[range, int], int]] = None

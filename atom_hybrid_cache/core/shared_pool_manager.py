@@ -1,36 +1,30 @@
 """The replay planner's model of the plugin inside vLLM: KV pages and state
-pages in ONE pool (`page_pool.PagePool`, vLLM's free order).
+pages in ONE pool (`page_pool.PagePool`, vLLM's free order), one file each
+for its parts: the pool's shape and the plugin's policy for it
+(`shared_pool_shape`), the keys and lookups (`shared_pool_index`: a hit is
+the longest indexed KV prefix ending on a state of every group), what a
+request holds (`shared_pool_held`), the release in units
+(`shared_pool_release`), the floors and the gate (`shared_pool_window`).
 
 What the plugin does in vLLM, and this model with it:
 - a state is one page per state group (`pages_per_state`), a page of KV is
   one attention block of `page_tokens`; both come from the same pool, so a
-  checkpoint costs the KV of `pages_per_state` pages;
-- prefix hashes every `hash_unit` tokens (`prefix_match_unit`); a hit is the
-  longest prefix whose KV pages are indexed (whole pages, then vLLM's
-  partial entry at a prompt's last unit boundary) and ending on a state of
-  every group;
+  checkpoint costs the KV of `pages_per_state` pages; prefixes hash every
+  `hash_unit` tokens (`prefix_match_unit`);
 - states are kept where vLLM's align mode keeps them, at chunk ends: the
   prompt's last page boundary before its last token, the prompt's last
   hash-unit boundary (a copy page), the shared-prefix junction (where the
   KV prefix outran the states), and the positions the plugin's planner
   places (`planner.CheckpointPlanner`: the same object the vLLM adapter
   asks, over the same `policy.CheckpointPolicy`); prefill chunks end on all
-  of them;
-- a finished request's pages go back in units (`eviction.freed_units`): its
-  states, the prompt-end state it held, the states at its hit and retain
-  fractions (`eviction.refreshed_positions`), each with the KV below it,
-  top first. `plugin=False` is vLLM's own align mode (no planned states,
-  no copy page unless the hash unit is finer than the page, KV then states
-  freed tail first): the same model's check against native vLLM.
-
+  of them. `plugin=False` is vLLM's own align mode (no planned states, no
+  copy page unless the hash unit is finer than the page, states then KV
+  freed tail first): the same model's check against native vLLM;
 - admission as vLLM's: only where the whole prompt's KV fits beside a state
   page per group, taking the first chunk's pages; later chunks take theirs
-  (`reserve_chunk`), and the simulator preempts where they do not fit.
-
-- the floor states and the admission gate, where the plugin runs them
-  (`shared_pool_window.py`: the adapter's decisions, from the same core
-  code), and vLLM's `remove_skipped_blocks` (a prefill's state two chunk
-  ends back is freed before the room for its next chunk is counted).
+  (`reserve_chunk`), and the simulator preempts where they do not fit;
+- vLLM's `remove_skipped_blocks`: a prefill's state two chunk ends back is
+  freed before the room for its next chunk is counted.
 
 Left out (see BENCHMARKS.md, "The planner against vLLM's scheduler"):
 hits-first admission order, `cached_blocks_this_step`, speculative
@@ -39,87 +33,22 @@ decoding, more than one attention group.
 The interface is `manager.HybridCacheManager`'s, so `replay.simulator`
 drives either.
 """
-
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from ..config import PlacementConfig
-from .eviction import (FreedState, KVPages, freed_order, highest_states_at_or_below,
-                       refreshed_positions)
 from .gate_steps import gate_on
-from .kinds import CheckpointKind
 from .manager import Admission
 from .oracle import PrefixOracle
 from .page_pool import PagePool
 from .planner import CheckpointPlanner
+from .shared_pool_held import HeldRequest
+from .shared_pool_index import SharedPoolIndex
+from .shared_pool_release import free_in_units, free_in_vllm_order
+from .shared_pool_shape import SharedPoolShape, shared_pool_policy
 from .shared_pool_window import SharedPoolWindow
-from .policy import CheckpointPolicy
 from .stats import CacheStats
-
-# Index keys: a KV page under the hash of its last unit; vLLM's partial KV
-# entry and each state group's page under the same hash with a salt.
-_PARTIAL_SALT = 0x5A17_0000_0000_0001
-_STATE_SALT = 0x3C3C_0000_0000_0000
-# How far below each refreshed position the release looks, in pages
-# (vllm/state_search.SEARCH_PAGES).
-SEARCH_PAGES = 64
-
-
-@dataclass(frozen=True)
-class SharedPoolShape:
-    """vLLM's pool as the plugin sees it: `num_pages` is num_gpu_blocks (the
-    null page included); one attention group."""
-
-    num_pages: int
-    page_tokens: int
-    hash_unit: int
-    pages_per_state: int
-    max_num_seqs: int
-    successor_room: int = 1
-    # vLLM's max_num_batched_tokens (0: at least a page): a chunk that
-    # cannot end on a page boundary runs sub-page only where a page is
-    # larger than a whole step, not where this step's budget is short
-    step_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if self.page_tokens % self.hash_unit:
-            raise ValueError(f"page of {self.page_tokens} tokens is not a multiple of the "
-                             f"hash unit {self.hash_unit}")
-
-
-def shared_pool_policy(shape: SharedPoolShape, placement: PlacementConfig,
-                       floor_fractions: tuple = (), warn=lambda msg: None) -> CheckpointPolicy:
-    """The plugin's policy for this pool, sized as `vllm/scheduler_setup.py`
-    sizes it from vLLM's groups (one attention group)."""
-    pool_tokens = (shape.num_pages - 1) * shape.page_tokens
-    return CheckpointPolicy(
-        placement, block_size=shape.page_tokens,
-        kv_share_tokens=pool_tokens // shape.max_num_seqs, pool_kv_tokens=pool_tokens,
-        checkpoint_kv_tokens=shape.pages_per_state * shape.page_tokens,
-        floor_fractions=floor_fractions, warn=warn, budget_warn=warn)
-
-
-@dataclass
-class _Held:
-    """What one admitted request holds in the pool. A state group's block
-    table holds the running state and the states of the last chunk ends
-    (`retired`: [(position or None when not kept, pages)]); vLLM frees a
-    state two chunks after the one that wrote it."""
-
-    hit: int
-    keep: dict                     # position -> kind of the states it keeps
-    kv: list                       # KV pages, in column order
-    running: list                  # the running state's pages
-    running_pos: Optional[int] = None   # the kept position they hold, if any
-    retired: list = field(default_factory=list)
-    anchor: Optional[tuple] = None  # (position, pages): the prompt-end copy it holds
-    # the block-table column of retired[-1] while vLLM still frees it
-    # (its `last_state_block_idx`); None once freed or overwritten
-    last_col: Optional[int] = None
-    # the running pages hold a mid-page state (`running_pos`)
-    mid_page_running: bool = False
 
 
 class SharedPoolManager:
@@ -137,6 +66,7 @@ class SharedPoolManager:
         self.sub = shape.page_tokens // shape.hash_unit
         self.pps = shape.pages_per_state
         self.pool = PagePool(shape.num_pages, on_evict=self._on_evict)
+        self.index = SharedPoolIndex(self.pool, shape.page_tokens, shape.hash_unit, self.pps)
         self.policy = shared_pool_policy(shape, placement, floor_fractions)
         self.planner = CheckpointPlanner(self.policy, hash_unit=shape.hash_unit,
                                          stats_log_interval=0) if plugin else None
@@ -145,7 +75,6 @@ class SharedPoolManager:
         self._held: dict = {}
         # partial-hit copy-on-write sources this step still references
         self._cow_sources: list = [[] for _ in range(shape.pages_per_state + 1)]
-        self._state_salts = [_STATE_SALT + g for g in range(self.pps)]
         # states: written, read, evicted (a state is lost with any of its pages)
         self.writes = 0
         self.reads = 0
@@ -165,30 +94,13 @@ class SharedPoolManager:
                 self.window = SharedPoolWindow(self, gate=gate, floor_fractions=floors)
             self.planner.gate_on = gate
 
-    # -- keys ------------------------------------------------------------
-    def _state_keys(self, h: int) -> list:
-        return [h ^ s for s in self._state_salts]
-
+    # -- the pool's evictions ---------------------------------------
     def _on_evict(self, key: int) -> None:
         # counted on the first group's page: a state is lost with any page,
         # once
         if key in self._live_states:
             self._live_states.discard(key)
             self.evicted_states += 1
-
-    def _state_at(self, hashes: Sequence, pos: int) -> Optional[list]:
-        """Every group's page of the state after `pos` tokens, or None."""
-        i = pos // self.block_size - 1
-        if i < 0 or i >= len(hashes):
-            return None
-        lookup = self.pool.lookup
-        pages = []
-        for k in self._state_keys(hashes[i]):
-            p = lookup(k)
-            if p is None:
-                return None
-            pages.append(p)
-        return pages
 
     # -- the step's admission window ------------------------------------
     def open_step(self, waiting: Sequence, running: Sequence) -> list:
@@ -222,8 +134,8 @@ class SharedPoolManager:
         pages under the hit, every state group's page at it)."""
         P = self.page
         hashes = req.block_hashes
-        full, reach, partial_page = self._kv_prefix(hashes, req.num_tokens - 1)
-        hit, hit_state = self._state_hit(hashes, reach)
+        full, reach, partial_page = self.index.kv_prefix(hashes, req.num_tokens - 1)
+        hit, hit_state = self.index.state_hit(hashes, reach)
         src = (full + ([partial_page] if partial_page is not None else []))[:-(-hit // P)]
         return hit, src if hit else [], hit_state
 
@@ -232,34 +144,6 @@ class SharedPoolManager:
         return len(self._held[request_id].kv)
 
     # -- admission -------------------------------------------------------
-    def _kv_prefix(self, hashes: Sequence, limit: int) -> tuple[list, int, Optional[int]]:
-        """(full KV pages from the start, tokens the KV reaches, the page of
-        vLLM's partial entry if the reach ends on one) within `limit` tokens."""
-        P, U, sub = self.page, self.block_size, self.sub
-        lookup = self.pool.lookup
-        pages = []
-        while (len(pages) + 1) * P <= limit and (len(pages) + 1) * sub <= len(hashes):
-            p = lookup(hashes[(len(pages) + 1) * sub - 1])
-            if p is None:
-                break
-            pages.append(p)
-        reach = len(pages) * P
-        first = len(pages) * sub
-        for f in range(min(first + sub - 1, limit // U, len(hashes)) - 1, first - 1, -1):
-            p = lookup(hashes[f] ^ _PARTIAL_SALT)
-            if p is not None:
-                return pages, (f + 1) * U, p
-        return pages, reach, None
-
-    def _state_hit(self, hashes: Sequence, reach: int) -> tuple[int, Optional[list]]:
-        """The highest hash-unit boundary at or below `reach` with a state."""
-        U = self.block_size
-        for pos in range(reach // U * U, 0, -U):
-            pages = self._state_at(hashes, pos)
-            if pages is not None:
-                return pos, pages
-        return 0, None
-
     def admit(self, req, budget: Optional[int] = None) -> Optional[Admission]:
         """Look the prompt up and take the pages of its first chunk of at
         most `budget` tokens (None: the whole prompt in one); None when they
@@ -268,14 +152,14 @@ class SharedPoolManager:
         L = req.prompt_len
         hashes = req.block_hashes
         limit = L - self.shape.successor_room
-        full, reach, partial_page = self._kv_prefix(hashes, limit)
-        hit, hit_state = self._state_hit(hashes, reach)
+        full, reach, partial_page = self.index.kv_prefix(hashes, limit)
+        hit, hit_state = self.index.state_hit(hashes, reach)
         src = (full + ([partial_page] if partial_page is not None else []))[:-(-hit // P)]
         mid_page = hit % P != 0
         junction = reach // P * P if reach > hit else 0
         budget = L if budget is None else budget
-        own = self._vllm_positions(L, hit, junction)
-        if not self._chunk(hit, L, budget, own):
+        own = self.shape.vllm_positions(L, hit, junction)
+        if not self.shape.chunk(hit, L, budget, own):
             # the step's budget left no whole page past the hit: vLLM stops
             # admitting this step (its align split gives 0 tokens, and the
             # adapter plans nothing) and takes no reference, so the next
@@ -283,7 +167,7 @@ class SharedPoolManager:
             return None
         keep = self._kept_positions(req.request_id, L, hashes, hit, own,
                                     full_reach=max(hit, len(full) * P))
-        first_end = hit + self._chunk(hit, L, budget, keep)
+        first_end = hit + self.shape.chunk(hit, L, budget, keep)
         # KV pages past the hit's whole pages (a mid-page hit's page is
         # copied); a state page per group: the chunk's end column, or the
         # copy of a mid-page hit, whose column it ends in. vLLM admits only
@@ -301,7 +185,7 @@ class SharedPoolManager:
             pool.touch(hit_state)
             self.reads += 1
         kv = src[:hit // P] + pool.allocate(new_kv)
-        held = _Held(hit, keep, kv, pool.allocate(self.pps))
+        held = HeldRequest(hit, keep, kv, pool.allocate(self.pps))
         if mid_page:
             # copy-on-write: the copies run on; vLLM keeps the sources
             # referenced until its schedule() ends (the copy runs in this
@@ -348,36 +232,9 @@ class SharedPoolManager:
             keep.setdefault(pos, kind)
         return keep
 
-    def _vllm_positions(self, L: int, hit: int, junction: int) -> dict:
-        """Position -> kind of the states vLLM's own split keeps past
-        `hit`: the last page boundary and hash-unit boundary before the
-        prompt's last token, and the junction."""
-        P, U = self.page, self.block_size
-        end = L - self.shape.successor_room
-        return {pos: kind for pos, kind in ((junction, CheckpointKind.JUNCTION),
-                                            (end // U * U, CheckpointKind.ANCHOR),
-                                            (end // P * P, CheckpointKind.ANCHOR))
-                if pos > hit}
-
     # -- prefill ---------------------------------------------------------
-    def _chunk(self, start: int, L: int, budget: int, keep: dict) -> int:
-        """vLLM's align-mode split (`_mamba_block_aligned_split`): whole
-        pages unless it ends the prompt, stopping at the next page boundary
-        and at every kept position (the plugin's among them, as its
-        `chunk_stop` cuts them)."""
-        P = self.page
-        end = min(L, start + budget)
-        if end < L:
-            aligned = end // P * P
-            if aligned > start or not self.shape.step_tokens or P <= self.shape.step_tokens:
-                end = aligned
-        stops = [p for p in keep if start < p < end]
-        if start % P and (start // P + 1) * P < end:
-            stops.append((start // P + 1) * P)
-        return max(0, (min(stops) if stops else end) - start)
-
     def next_chunk(self, req, budget: int) -> int:
-        return self._chunk(req.num_computed, req.prompt_len, budget,
+        return self.shape.chunk(req.num_computed, req.prompt_len, budget,
                            self._held[req.request_id].keep)
 
     # read by replay.simulator: prefill chunks after the first take their
@@ -411,7 +268,7 @@ class SharedPoolManager:
             held.running, held.running_pos = pool.allocate(self.pps), None
         return True
 
-    def _retire_mid_page_running(self, held: _Held) -> bool:
+    def _retire_mid_page_running(self, held: HeldRequest) -> bool:
         """vLLM's own mid-page state leaves the block table for the LRU at
         the request's next allocation, which takes fresh running pages;
         False when the pool has no room for them."""
@@ -435,7 +292,7 @@ class SharedPoolManager:
             self._cow_sources[g].append(page)
         return True
 
-    def _free_passed_state(self, held: _Held, computed: int) -> None:
+    def _free_passed_state(self, held: HeldRequest, computed: int) -> None:
         """vLLM's `remove_skipped_blocks`, which every allocation of a running
         request runs before it counts the free pages (so a request short of
         room has already given it back): the last state column leaves the
@@ -462,11 +319,11 @@ class SharedPoolManager:
         if last % P and start <= last <= end:
             # vLLM's partial KV entry at the prompt's last hash-unit boundary
             # (a hit there indexes its copy-on-write page under it too)
-            pool.index_page(held.kv[last // P], hashes[last // U - 1] ^ _PARTIAL_SALT)
+            pool.index_page(held.kv[last // P], self.index.partial_key(hashes[last // U - 1]))
         req.num_computed = end
         if end >= req.prompt_len or end not in held.keep:
             return
-        keys = self._state_keys(hashes[end // U - 1])
+        keys = self.index.state_keys(hashes[end // U - 1])
         # a mid-page state (the prompt's last hash-unit boundary) stays in
         # the running pages, which the request's next allocation copies
         # into fresh ones (`_retire_mid_page_running`)
@@ -505,65 +362,11 @@ class SharedPoolManager:
     # -- release ---------------------------------------------------------
     def finish(self, req) -> None:
         held = self._held.pop(req.request_id)
-        pool = self.pool
-        hashes = req.block_hashes
-        columns = held.retired + [(held.running_pos, held.running)]
-        if held.anchor is not None:
-            columns.append(held.anchor)
-        if not self.plugin:
-            # vLLM's order: group by group, each tail first; the state groups
-            # come first (the tiny Qwen3-Next's and Qwen3.5's group order)
-            for g in range(self.pps):
-                pool.free(reversed([pages[g] for _, pages in columns if pages]))
-            pool.free(reversed(held.kv))
-            req.blocks = []
-            return
-        if (held.anchor is not None and held.anchor[0] % self.page
-                and not self.planner.keeps_prompt_end(held.anchor[0])):
-            # not worth its pages (core/tail_price.py): the copy and the
-            # partial KV entry go back uncached, the page state below stays
-            pos, pages = held.anchor
-            for p in pages:
-                pool.unindex(p)
-            pool.unindex(held.kv[pos // self.page],
-                         hashes[pos // self.block_size - 1] ^ _PARTIAL_SALT)
-            columns[-1] = (None, pages)
-        states: list = []
-        taken: set = set()
-        for pos, pages in columns:
-            states += [FreedState(p, pos, True, g) if pos is not None else FreedState(p, 0, False)
-                       for g, p in enumerate(pages)]
-            taken.update(pages)
-        wanted = refreshed_positions(held.hit, req.num_computed,
-                                     self.policy.placement.retain_fractions)
-        if self.window is not None:
-            # floors held since the request entered the admission window go
-            # back in its units (vllm/release.py); one in its own block
-            # table only loses the floor's reference
-            for pos, pages in self.window.release_floors(req.request_id):
-                for g, p in enumerate(pages):
-                    if p in taken:
-                        pool.free([p])
-                    else:
-                        taken.add(p)
-                        states.append(FreedState(p, pos, True, g))
-        for pos, pages in self.highest_states_at_or_below(hashes, wanted):
-            new = [(g, p) for g, p in enumerate(pages) if p not in taken]
-            pool.touch([p for _, p in new])
-            for g, p in new:
-                taken.add(p)
-                states.append(FreedState(p, pos, True, g))
-        kv = KVPages(self.page, held.kv, [pool.is_indexed(p) for p in held.kv])
-        pool.free(freed_order(states, [kv]))
-        self.planner.finished(req.request_id, hashes[:req.num_computed // self.block_size],
-                              [pos for pos, _ in columns if pos is not None])
+        if self.plugin:
+            free_in_units(self, req, held)
+        else:
+            free_in_vllm_order(self.pool, held, self.pps)
         req.blocks = []
-
-    def highest_states_at_or_below(self, hashes: Sequence, tops,
-                                   max_pages: int = SEARCH_PAGES) -> list:
-        """vllm/state_search.StateSearch.highest_at_or_below over this pool."""
-        return highest_states_at_or_below(tops, self.block_size, self.page, max_pages,
-                                          lambda pos: self._state_at(hashes, pos))
 
     def preempt(self, req) -> None:
         self.finish(req)

@@ -10,7 +10,8 @@ from typing import Optional
 
 from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, load_settings, server_defaults
 from ..core.manager import HybridCacheManager, Request
-from ..core.shared_pool_manager import SharedPoolManager, SharedPoolShape
+from ..core.shared_pool_manager import SharedPoolManager
+from ..core.shared_pool_shape import SharedPoolShape
 from .policies import PolicySpec, build_policies, parse_policy_names
 from .report import PolicyResult, format_table, plot_sweep, write_json
 from .client_clock import DECODE_S_PER_STEP, MAX_THINK_S, PREFILL_S_PER_TOKEN, ClientClock

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from ..core.eviction import highest_states_at_or_below
+from ..core.eviction import SEARCH_PAGES, highest_states_at_or_below
 from .attention_lookup import one_block
 from .state_hashes import StateHashes, first_at_or_below
-
-# How far below each top (in state pages) `highest_at_or_below` looks.
-SEARCH_PAGES = 64
 
 
 class StateSearch:

@@ -1,0 +1,77 @@
+"""The release in the planner's model of the plugin (`shared_pool_manager`),
+as `vllm/release.py` runs it in vLLM: a finished request's pages go back to
+the one pool in units (`eviction.freed_order`): its states, the prompt-end
+state it held, its floors and the states at its hit and retain fractions
+(`eviction.refreshed_positions`), each with the KV below it, top first.
+Without the plugin, vLLM's own order: group by group, each tail first.
+"""
+
+from __future__ import annotations
+
+from .eviction import FreedState, KVPages, freed_order, refreshed_positions
+from .shared_pool_held import HeldRequest
+
+
+def free_in_vllm_order(pool, held: HeldRequest, pages_per_state: int) -> None:
+    """vLLM's order: the state groups first (the tiny Qwen3-Next's and
+    Qwen3.5's group order), then the attention group, each tail first."""
+    columns = _state_columns(held)
+    for g in range(pages_per_state):
+        pool.free(reversed([pages[g] for _, pages in columns if pages]))
+    pool.free(reversed(held.kv))
+
+
+def free_in_units(manager, req, held: HeldRequest) -> None:
+    """The plugin's release of `req` (`manager`: the SharedPoolManager it ran
+    in, `held`: what it held there)."""
+    pool, index = manager.pool, manager.index
+    hashes = req.block_hashes
+    columns = _state_columns(held)
+    if (held.anchor is not None and held.anchor[0] % manager.page
+            and not manager.planner.keeps_prompt_end(held.anchor[0])):
+        # not worth its pages (core/tail_price.py): the copy and the
+        # partial KV entry go back uncached, the page state below stays
+        pos, pages = held.anchor
+        for p in pages:
+            pool.unindex(p)
+        pool.unindex(held.kv[pos // manager.page],
+                     index.partial_key(hashes[pos // manager.block_size - 1]))
+        columns[-1] = (None, pages)
+    states: list = []
+    taken: set = set()
+    for pos, pages in columns:
+        states += [FreedState(p, pos, True, g) if pos is not None else FreedState(p, 0, False)
+                   for g, p in enumerate(pages)]
+        taken.update(pages)
+    wanted = refreshed_positions(held.hit, req.num_computed,
+                                 manager.policy.placement.retain_fractions)
+    if manager.window is not None:
+        # floors held since the request entered the admission window go
+        # back in its units (vllm/release.py); one in its own block table
+        # only loses the floor's reference
+        for pos, pages in manager.window.release_floors(req.request_id):
+            for g, p in enumerate(pages):
+                if p in taken:
+                    pool.free([p])
+                else:
+                    taken.add(p)
+                    states.append(FreedState(p, pos, True, g))
+    for pos, pages in index.highest_states_at_or_below(hashes, wanted):
+        new = [(g, p) for g, p in enumerate(pages) if p not in taken]
+        pool.touch([p for _, p in new])
+        for g, p in new:
+            taken.add(p)
+            states.append(FreedState(p, pos, True, g))
+    kv = KVPages(manager.page, held.kv, [pool.is_indexed(p) for p in held.kv])
+    pool.free(freed_order(states, [kv]))
+    manager.planner.finished(req.request_id, hashes[:req.num_computed // manager.block_size],
+                             [pos for pos, _ in columns if pos is not None])
+
+
+def _state_columns(held: HeldRequest) -> list:
+    """[(position or None, pages)] of every state the request's tables and
+    its prompt-end hold keep, the hold last."""
+    columns = held.retired + [(held.running_pos, held.running)]
+    if held.anchor is not None:
+        columns.append(held.anchor)
+    return columns

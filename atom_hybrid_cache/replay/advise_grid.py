@@ -1,0 +1,148 @@
+"""The settings `atom-hybrid-cache advise` sweeps (`advise.py` runs them):
+the candidates, each the ATOM_* variables that differ from the server's
+defaults, and the help text that names them.
+
+The grid: the prefix-hash unit (the plugin's 64 tokens or vLLM's page), a
+state ladder, the cold checkpoints and the states a release retains (each
+setting the shared-pool model runs); then, around the best of those, the
+admission gate and the floor states, where the planner runs them
+(`planner_runs`). The admission order is not modelled. Each candidate's
+variables are parsed back through `config.load_settings` over the server's
+defaults, so what is printed is what a server would read.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+
+from ..config import (ENV_VARS, MAX_HASH_UNIT_TOKENS, SERVER_ADMISSION_GATE,
+                      SERVER_COLD_FRACTIONS, SERVER_FLOOR_FRACTIONS, Settings, load_settings,
+                      server_defaults)
+from .policies import build_policies
+
+# The hash unit the plugin picks where `--prefix-match-unit` is unset
+# (vllm/registration.py plugin_hash_unit: the largest unit up to 64 that
+# divides the page, and the planner's pages are multiples of 64).
+PLUGIN_HASH_UNIT = MAX_HASH_UNIT_TOKENS
+PAGE_UNIT = "page"
+
+# A rung every this many tokens: the ladder the replay's `ladder-8192` runs.
+LADDER_TOKENS = 8192
+
+
+def env_var(section: str, name: str) -> str:
+    """The ATOM_* variable of one settings field (config.ENV_VARS is the
+    one place that names them)."""
+    for var, (sec, field_name, _, _) in ENV_VARS.items():
+        if (sec, field_name) == (section, name):
+            return var
+    raise KeyError(f"no variable for {section}.{name}")
+
+
+# One axis: (label, section, field, values); the first value is the
+# server's default, which a candidate leaves unset.
+PLACEMENT_AXES = (
+    ("interval", "placement", "interval_tokens", (-1, LADDER_TOKENS)),
+    ("cold", "placement", "cold_fractions", (SERVER_COLD_FRACTIONS, ())),
+    ("retain", "placement", "retain_fractions", ((0.5, 0.75, 0.875, 0.94), ())),
+)
+HASH_UNITS = (PLUGIN_HASH_UNIT, PAGE_UNIT)
+# The second stage, around the first stage's choice, where the planner runs
+# them (each doubles the grid, and where a slot's share is under 32
+# checkpoints' worth the floors are off, so part of it would repeat).
+SERVER_AXES = (
+    ("gate", "server", "admission_gate", (SERVER_ADMISSION_GATE, "on", "off")),
+    ("floor", "server", "floor_fractions", (SERVER_FLOOR_FRACTIONS, ())),
+)
+
+# Server settings no stage sweeps: (section, field).
+NEVER_SWEPT = (("server", "admission_order"),)
+
+
+def planner_runs(section_field: tuple) -> bool:
+    """Whether the planner's `default` runs this server setting. The floors
+    and the gate are being added to it (issue 31), so this asks the code
+    rather than a list: floors where the shared-pool model acts on vLLM's
+    admission window (`open_step`), the gate where the policies carry its
+    mode. The admission order is not modelled."""
+    import inspect
+
+    from ..core.shared_pool_manager import SharedPoolManager
+    name = section_field[1]
+    if name == "floor_fractions":
+        return hasattr(SharedPoolManager, "open_step")
+    if name == "admission_gate":
+        return "admission_gate" in inspect.signature(build_policies).parameters
+    return False
+
+
+GRID_HELP = (
+    f"(1) hash unit {{{PLUGIN_HASH_UNIT} (the plugin's), the page (--prefix-match-unit PAGE)}} x "
+    f"{env_var('placement', 'interval_tokens')} {{-1 (no ladder), {LADDER_TOKENS}}} x "
+    f"{env_var('placement', 'cold_fractions')} {{0.5,0.875, none}} x "
+    f"{env_var('placement', 'retain_fractions')} {{0.5,0.75,0.875,0.94, none}}: 16 candidates; "
+    f"(2) on the best of (1): {env_var('server', 'admission_gate')} {{auto, on, off}} x "
+    f"{env_var('server', 'floor_fractions')} {{0.25,0.5, none}}, where the planner models "
+    "them (else left at default, and said so). The first value of each is the default. Not "
+    "modelled, left at default: " + ", ".join(env_var(*f) for f in NEVER_SWEPT) + ".")
+
+
+def format_value(value) -> str:
+    """A setting's value as its variable takes it."""
+    if isinstance(value, tuple):
+        return ",".join(f"{x:g}" for x in value)
+    return str(value)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One point of the grid: a hash unit and the ATOM_* variables that
+    differ from the server's defaults."""
+
+    hash_unit: object                 # PLUGIN_HASH_UNIT or PAGE_UNIT
+    env: tuple = ()                   # ((variable, value), ...)
+
+    @property
+    def is_default(self) -> bool:
+        return self.hash_unit == PLUGIN_HASH_UNIT and not self.env
+
+    def settings(self) -> Settings:
+        """The server's settings with this candidate's variables, parsed
+        and validated as a server parses them."""
+        return load_settings(None, server_defaults(), environ=dict(self.env))
+
+    def label(self) -> str:
+        return "defaults" if self.is_default else " ".join(
+            ([f"unit={self.hash_unit}"] if self.hash_unit != PLUGIN_HASH_UNIT else [])
+            + [f"{v}={shlex.quote(val)}" for v, val in self.env])
+
+
+def combinations(axes) -> list:
+    """Every combination of the axes' values as ((variable, value), ...),
+    a default value left unset; all defaults first."""
+    combos = [()]
+    for _, section, name, values in axes:
+        var = env_var(section, name)
+        combos = [c + (() if i == 0 else ((var, format_value(v)),))
+                  for c in combos for i, v in enumerate(values)]
+    return combos
+
+
+def grid() -> list[Candidate]:
+    """The first stage: every hash unit and placement combination, the
+    defaults first."""
+    return [Candidate(unit, env) for unit in HASH_UNITS
+            for env in combinations(PLACEMENT_AXES)]
+
+
+def server_axes() -> tuple:
+    """The second stage's axes: those the planner runs."""
+    return tuple(ax for ax in SERVER_AXES if planner_runs((ax[1], ax[2])))
+
+
+def around(base: Candidate) -> list[Candidate]:
+    """The second stage: `base` with each combination of the server axes
+    the planner runs (`base` itself left out)."""
+    return [Candidate(base.hash_unit, base.env + extra)
+            for extra in combinations(server_axes())[1:]]
