@@ -33,6 +33,7 @@ decoding, more than one attention group.
 The interface is `manager.HybridCacheManager`'s, so `replay.simulator`
 drives either.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence

@@ -10,6 +10,7 @@ stray from it (so it wins on both halves too); otherwise the defaults are.
 Server settings the planner does not run stay at their defaults, and the
 output (`advise_output.py`) says so.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp

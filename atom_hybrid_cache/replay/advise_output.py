@@ -23,7 +23,6 @@ SERVED_MODEL = {
 }
 
 
-
 def serve_line(candidate: Candidate, model: str, page_tokens: int) -> str:
     """The `vllm serve` command that runs `candidate`."""
     env = " ".join(f"{var}={shlex.quote(value)}" for var, value in candidate.env)

@@ -20,7 +20,6 @@ from .simulator import SimSettings, SimTotals, simulate
 GIB = 1 << 30
 
 
-
 def default_headroom(max_num_seqs: int) -> int:
     return DEFAULT_HEADROOM_PER_SEQ * max_num_seqs
 

@@ -46,7 +46,6 @@ PATCHES: tuple = (
 )
 
 
-
 def enabled(environ=None) -> bool:
     """True when VLLM_PLUGINS names this plugin explicitly: vLLM loads every
     installed plugin when it is unset, and an installed but not enabled
