@@ -225,3 +225,17 @@ def test_the_release_order_without_units_is_the_units_order():
                      else [rng.random() < 0.6 for _ in range(n)])
             kv.append(KVPages(size, [f"k{g}.{i}" for i in range(n)], flags, c0))
         assert freed_order(states, kv) == freed_units(states, kv).order(), case
+
+
+def test_a_release_teaches_the_oracle_its_computed_hashes_above_its_hit():
+    p = planner()
+    hashes = [f"h{i}" for i in range(10)]
+    p.plan("r", 640, hashes, hit=128, kv_reach=128)     # resumed at 2 units of 64
+    # 6 of its 10 units computed: the oracle learns units 2..5, not those
+    # below the hit (the request that computed them taught them) nor past 6
+    p.finished("r", hashes, [], 6)
+    assert p.oracle.seen == {"h2", "h3", "h4", "h5"}
+    # without a plan, from the start; without a count, the whole list
+    p.finished("s", ["a0", "a1", "a2"], [], 2)
+    p.finished("t", ["b0"], [])
+    assert p.oracle.seen == {"h2", "h3", "h4", "h5", "a0", "a1", "b0"}

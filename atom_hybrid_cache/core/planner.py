@@ -16,7 +16,6 @@ No vLLM import here: callers pass plain numbers and hash sequences.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence
@@ -183,14 +182,18 @@ class CheckpointPlanner:
             self.stats.partial_tails_dropped += 1
         return keep
 
-    def finished(self, request_id: str, block_hashes: Iterable, kept_states: Iterable[int]) -> None:
-        """A request gave its pages back; `kept_states` are the positions of
-        the states it wrote that are still indexed (one state group's)."""
+    def finished(self, request_id: str, block_hashes: Sequence, kept_states: Iterable[int],
+                 computed: Optional[int] = None) -> None:
+        """A request gave its pages back: the first `computed` of its
+        `block_hashes` (None: all) were computed; `kept_states` are the
+        positions of the states it wrote that are still indexed (one state
+        group's)."""
         plan = self.plans.pop(request_id)
         # the hashes below its hit went in when the request that computed
-        # them finished
+        # them finished: only the new ones are copied (a long prompt's
+        # release, in the scheduler's step, has thousands below its hit)
         skip = plan.hit // self.hash_unit if plan is not None else 0
-        self.oracle.learn(itertools.islice(block_hashes, skip, None))
+        self.oracle.learn(block_hashes[skip:computed])
         if plan is None:
             return
         prompt_end_block = (plan.prompt_len - 1) // self.block_size * self.block_size

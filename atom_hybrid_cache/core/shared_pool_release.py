@@ -64,8 +64,9 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
             states.append(FreedState(p, pos, True, g))
     kv = KVPages(manager.page, held.kv, [pool.is_indexed(p) for p in held.kv])
     pool.free(freed_order(states, [kv]))
-    manager.planner.finished(req.request_id, hashes[:req.num_computed // manager.block_size],
-                             [pos for pos, _ in columns if pos is not None])
+    manager.planner.finished(req.request_id, hashes,
+                             [pos for pos, _ in columns if pos is not None],
+                             req.num_computed // manager.block_size)
 
 
 def _state_columns(held: HeldRequest) -> list:

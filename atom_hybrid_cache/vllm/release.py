@@ -72,7 +72,7 @@ def free_in_units(sched, parts, request) -> None:
     freed = freed_units(states, kv) if parts.store is not None else None
     order = freed.order() if freed is not None else freed_order(states, kv)
     unit = sched.hash_block_size
-    planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], kept)
+    planner.finished(rid, request.block_hashes, kept, request.num_computed_tokens // unit)
     if sched._request_blocks_can_be_freed(request):
         pool.free_blocks(order)
         if freed is not None:
@@ -126,7 +126,7 @@ def give_back_held(sched, parts, request) -> None:
     for _, pages in ([anchor] if anchor is not None else []) + list(floors):
         pool.free_blocks(pages)
     unit = sched.hash_block_size
-    parts.planner.finished(rid, request.block_hashes[:request.num_computed_tokens // unit], ())
+    parts.planner.finished(rid, request.block_hashes, (), request.num_computed_tokens // unit)
 
 
 def _unindex_partial_pages(pool, pos: int, kv: list, state_pages) -> list:
