@@ -89,8 +89,9 @@ class SharedPoolWindow:
     # -- lookups in the model's pool --------------------------------------
     def _hold_floors(self, req) -> None:
         m = self.manager
-        found = m.index.highest_states_at_or_below(req.block_hashes, self.floors.tops(req.prompt_len),
-                                             max_pages=-(-req.prompt_len // m.page))
+        found = m.index.highest_states_at_or_below(req.block_hashes,
+                                                   self.floors.tops(req.prompt_len),
+                                                   max_pages=-(-req.prompt_len // m.page))
         for _, pages in self.floors.take(req.request_id, found):
             m.pool.touch(pages)
 
