@@ -1,0 +1,113 @@
+"""benchmarks/slow_step_parts.py: the per-part timers of the slowest steps.
+
+The band's arithmetic is checked on made-up steps; a run on the embedded
+sample (the scheduler bench's smoke point) checks that the timers see every
+step the bench counts, leave the hits alone, and put every wrapped vLLM and
+plugin attribute back when they are done (they patch classes, so a test
+run after them would otherwise be timed too).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:  # cheap: no vLLM import at collection
+    pytest.skip("vllm is not installed; run: bash scripts/setup_cpu_vllm.sh",
+                allow_module_level=True)
+
+from scheduler_bench_module import (SAMPLE_POINT, load_sample_conversations,  # noqa: E402
+                                    load_scheduler_bench)
+
+SB = load_scheduler_bench()
+
+
+def _load_tool():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "slow_step_parts.py"
+    if "slow_step_parts" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("slow_step_parts", path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules["slow_step_parts"] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules["slow_step_parts"]
+
+
+def _step(schedule_us: int, update_us: int, **parts_us) -> collections.Counter:
+    c = collections.Counter({k.replace("_", " "): v * 1000 for k, v in parts_us.items()})
+    c["schedule()"] = schedule_us * 1000
+    c["update_from_output()"] = update_us * 1000
+    c["step"] = (schedule_us + update_us) * 1000
+    return c
+
+
+def test_band_table_averages_the_parts_over_the_band_steps():
+    tool = _load_tool()
+    # 100 steps: 1..100 us of schedule(); the band p97-p99 holds the steps
+    # of 98, 99 and 100 us (index 97 to index 99), two of them with a release
+    steps = [_step(t, 0) for t in range(1, 98)]
+    steps += [_step(98, 0, release=30), _step(99, 0), _step(100, 0, release=60)]
+    lines = tool.band_table(steps, 97, 99)
+    assert lines[0] == "100 steps, p99 100 us; band p97-p99: 98-100 us, 3 steps"
+    rows = {line[:54].strip(): line[54:].split() for line in lines[2:]}
+    assert rows["step"] == ["99.0", "3", "99.0"]
+    assert rows["schedule()"] == ["99.0", "3", "99.0"]
+    # 90 us over 3 band steps; 45 us in each of the 2 that release
+    assert rows["release"] == ["30.0", "2", "45.0"]
+    assert "update_from_output()" not in rows        # zero in every band step
+
+
+@pytest.fixture(scope="module")
+def conversations():
+    pytest.importorskip("vllm")
+    return load_sample_conversations()
+
+
+def _attributes(tool):
+    """Every attribute the timers replace, as found before they run."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from atom_hybrid_cache.vllm.scheduler import AtomScheduler
+    names = [(o, n) for o, n, _ in tool._parts()]
+    names += [(Scheduler, "schedule"), (AtomScheduler, "schedule"),
+              (Scheduler, "update_from_output"), (Scheduler, "_free_request")]
+    return {(id(o), n): (n in vars(o), inspect.getattr_static(o, n)) for o, n in names}
+
+
+@pytest.mark.parametrize("free_after", [False, True])
+def test_timers_count_every_step_and_put_everything_back(conversations, free_after):
+    try:
+        SB.load_plugin()
+    except SB.PluginUnavailable as exc:
+        pytest.skip(f"plugin scheduler not importable: {exc}")
+    tool = _load_tool()
+    before = _attributes(tool)
+    measured = tool.measure(conversations, ["native", "plugin-default-block"],
+                            free_requests_after_step=free_after, **SAMPLE_POINT)
+    assert _attributes(tool) == before
+    plain = {r.policy: r for r in SB.run_points_interleaved(
+        conversations, ["native", "plugin-default-block"], **SAMPLE_POINT)}
+    for r, steps in measured:
+        # the bench's own count of the steps that scheduled something, and
+        # the same hits as an untimed run
+        assert len(steps) == r.steps - r.empty_steps == plain[r.policy].steps - r.empty_steps
+        assert r.hit_tokens == plain[r.policy].hit_tokens
+        assert all(s["step"] == s["schedule()"] + s["update_from_output()"] for s in steps)
+        freed = [s for s in steps if s["release: vLLM _free_request, all of it"]]
+        assert freed
+        plugin_parts = {k for s in steps for k in s if k.startswith(("gate:", "release: the"))}
+        if r.policy == "native":
+            assert r.scheduler == "Scheduler" and not plugin_parts
+        else:
+            assert r.scheduler == "AtomScheduler"
+            assert "release: the plugin's free_in_units" in plugin_parts
+
+
+def test_one_native_and_one_plugin_policy_at_most(conversations):
+    tool = _load_tool()
+    with pytest.raises(ValueError, match="at most one native and one plugin"):
+        tool.measure(conversations, ["native", "native-pmu64"], **SAMPLE_POINT)
