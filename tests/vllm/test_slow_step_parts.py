@@ -12,8 +12,6 @@ from __future__ import annotations
 import collections
 import importlib.util
 import inspect
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -21,20 +19,14 @@ if importlib.util.find_spec("vllm") is None:  # cheap: no vLLM import at collect
     pytest.skip("vllm is not installed; run: bash scripts/setup_cpu_vllm.sh",
                 allow_module_level=True)
 
-from scheduler_bench_module import (SAMPLE_POINT, load_sample_conversations,  # noqa: E402
-                                    load_scheduler_bench)
+from scheduler_bench_module import (SAMPLE_POINT, load_benchmark,  # noqa: E402
+                                    load_sample_conversations, load_scheduler_bench)
 
 SB = load_scheduler_bench()
 
 
 def _load_tool():
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "slow_step_parts.py"
-    if "slow_step_parts" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("slow_step_parts", path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules["slow_step_parts"] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules["slow_step_parts"]
+    return load_benchmark("slow_step_parts")
 
 
 def _step(schedule_us: int, update_us: int, **parts_us) -> collections.Counter:
