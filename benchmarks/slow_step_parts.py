@@ -90,6 +90,8 @@ class StepTimers:
         self.current: collections.Counter | None = None
         self.steps: dict[str, list[collections.Counter]] = collections.defaultdict(list)
         self._finished: list = []
+        # each scheduler's step under way, from its schedule() to its update
+        self._open: dict[int, collections.Counter] = {}
         self._saved: list[tuple[object, str, bool, object]] = []
 
     def __enter__(self) -> "StepTimers":
@@ -112,6 +114,7 @@ class StepTimers:
                 delattr(owner, name)
         self._saved.clear()
         self._finished.clear()
+        self._open.clear()
 
     def _set(self, owner, name: str, value) -> None:
         had = name in vars(owner)
@@ -140,8 +143,7 @@ class StepTimers:
             def schedule(sched, *args, _inner=inner, **kwargs):
                 if self.current is not None:      # the subclass's super() call
                     return _inner(sched, *args, **kwargs)
-                step = self.current = collections.Counter()
-                sched._step_parts = step
+                step = self.current = self._open[id(sched)] = collections.Counter()
                 t = cpu()
                 try:
                     return _inner(sched, *args, **kwargs)
@@ -153,7 +155,7 @@ class StepTimers:
         free_request = Scheduler._free_request
 
         def update_from_output(sched, output, runner_output):
-            step = self.current = sched._step_parts
+            step = self.current = self._open.pop(id(sched))
             t = cpu()
             try:
                 return update(sched, output, runner_output)
