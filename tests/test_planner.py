@@ -227,6 +227,42 @@ def test_the_release_order_without_units_is_the_units_order():
         assert freed_order(states, kv) == freed_units(states, kv).order(), case
 
 
+def test_the_state_walk_over_kept_positions_is_the_range_walk():
+    """core.eviction.highest_states_at_or_below with `kept_positions` (the
+    positions where any prefix's state sits; the adapter's, from vLLM's
+    index) answers as the walk over the ranges does, on random state maps:
+    states of this prefix at unit and page boundaries, other prefixes'
+    positions (in the kept list, not found here), positions off the hash
+    unit, tops past the end and a search depth of 0 to 64 pages."""
+    import random
+
+    from atom_hybrid_cache.core.eviction import highest_states_at_or_below
+    rng = random.Random(11)
+    for case in range(2000):
+        unit = rng.choice((16, 50, 64))
+        page = unit * rng.choice((1, 2, 7, 8))
+        end = unit * rng.randrange(1, 400)
+        ours = {p: [f"s{p}"] for p in rng.sample(range(unit, end + 1, unit),
+                                                   k=min(end // unit, rng.randrange(0, 12)))}
+        ours.update({p: [f"s{p}"] for p in range(page, end + 1, page) if rng.random() < 0.1})
+        others = {rng.randrange(1, end + 2 * page) for _ in range(rng.randrange(0, 30))}
+        kept = sorted(set(ours) | others)
+        tops = [rng.randrange(0, end + 3 * unit) for _ in range(rng.randrange(0, 6))]
+        max_pages = rng.choice((0, 1, 3, 64))
+        asked = []
+
+        def state_at(pos):
+            asked.append(pos)
+            return ours.get(pos)
+        want = highest_states_at_or_below(tops, unit, page, max_pages, state_at)
+        asked_by_ranges = len(asked)
+        asked.clear()
+        got = highest_states_at_or_below(tops, unit, page, max_pages, state_at,
+                                         kept_positions=kept)
+        assert got == want, case
+        assert set(asked) <= set(kept) and len(asked) <= asked_by_ranges, case
+
+
 def test_a_release_teaches_the_oracle_its_computed_hashes_above_its_hit():
     p = planner()
     hashes = [f"h{i}" for i in range(10)]

@@ -11,6 +11,9 @@ Two things follow the index's changes:
   a hash Python has already hashed. The first state group's mirror is also
   the set of hashes its states are filed under (`state_hashes.py`, for the
   state walks);
+- for the first state group, the token position of each mirrored hash
+  (`KeyPositions`): a state walk over a long prefix then reads only the
+  hashes at positions where some state sits, not every hash down to it;
 - the log of the hashes whose keys changed while a lookup is kept
   (`step_lookups.py`).
 The index's `insert` and `pop` are wrapped once, by this object, and each
@@ -24,6 +27,7 @@ block pool (`of_pool`).
 from __future__ import annotations
 
 import weakref
+from bisect import bisect_left, insort
 from typing import Optional
 
 from . import private_api
@@ -63,6 +67,9 @@ class PrefixIndexWatch:
         # where the hashes of changed keys go while a step's lookups are
         # kept (step_lookups.py sets and clears it); None: not logged
         self.change_log: Optional[list] = None
+        # the one group whose keys' positions are kept, and them
+        self._positioned: Optional[int] = None
+        self._positions: Optional[KeyPositions] = None
 
     def current(self):
         """The index map as watched now (wrapped again after a reset)."""
@@ -87,6 +94,23 @@ class PrefixIndexWatch:
             self._mirrors[suffix] = _entries(self._index_dict, suffix)
         return self._mirrors[suffix]
 
+    def positions(self, group_id: int) -> Optional["KeyPositions"]:
+        """The token positions of `group_id`'s mirrored hashes, kept from
+        the first ask on (one group a pool: the first state group's); None
+        where that group has no mirror or another group's are kept."""
+        if self.mirror(group_id) is None:
+            return None
+        if self._positioned is None:
+            self._positioned = group_id
+            self._wrap(self.index_map)   # the wrappers keep them from now on
+        if self._positioned != group_id:
+            return None
+        return self._positions
+
+    def kept_positions(self, group_id: int) -> Optional["KeyPositions"]:
+        """`positions` for a group already positioned; None for any other."""
+        return self.positions(group_id) if group_id == self._positioned else None
+
     def kept_mirror(self, group_id: int) -> Optional[dict]:
         """`mirror` for a group already mirrored; None for any other."""
         return self.mirror(group_id) if group_id in self._suffixes else None
@@ -97,6 +121,10 @@ class PrefixIndexWatch:
             self._suffixes = {}   # no mirror (`mirror` answers None)
         # the mirrors of the new index (a reset: rebuilt from it)
         mirrors = self._mirrors = {s: _entries(cache, s) for s in self._suffixes.values()}
+        positioned = self._suffixes.get(self._positioned)
+        track = self._positions = (KeyPositions.of(mirrors[positioned], positioned)
+                                   if positioned is not None else None)
+        tracked = mirrors.get(positioned)
         # the unwrapped methods: a map wrapped before (its mirrors are
         # rebuilt) keeps the ones this object saved on it
         insert, pop = getattr(index_map, "_atom_unwrapped", (index_map.insert, index_map.pop))
@@ -109,6 +137,8 @@ class PrefixIndexWatch:
             h = key[:cut]
             entries = mirrors.get(key[cut:])
             if entries is not None:
+                if entries is tracked:
+                    track.add(h, _position(block, key))
                 entries[h] = cache[key]   # the block, or vLLM's dict of them
             log = watch.change_log
             if log is not None:
@@ -123,6 +153,8 @@ class PrefixIndexWatch:
                 # back the dict of them, the mirror's value already
                 if entries is not None and key not in cache:
                     del entries[h]
+                    if entries is tracked:
+                        track.remove(h)
                 log = watch.change_log
                 if log is not None:
                     log.append(h)
@@ -131,6 +163,74 @@ class PrefixIndexWatch:
         index_map.insert = watched_insert
         index_map.pop = watched_pop
         self.index_map = index_map
+
+
+class KeyPositions:
+    """The token position of each hash of one group's mirror: the length of
+    the prefix it hashes, read off the block first filed under it (vLLM's
+    `block_hash_num_tokens` belongs to a block's first key; a key filed
+    only as blocks' second key has no position here: `unknown` counts
+    those, and while any is kept the positions do not cover the hashes).
+    A prefix length is the key's own: it stays while any page is filed
+    under the key.
+
+    `order`: the distinct positions, ascending; a walk bisects it for the
+    positions in its range and reads only the hashes there."""
+
+    def __init__(self) -> None:
+        self.position_of: dict = {}
+        self.count: dict = {}
+        self.order: list = []
+        self.unknown = 0
+
+    @classmethod
+    def of(cls, entries: dict, suffix: bytes) -> "KeyPositions":
+        out = cls()
+        for h, value in entries.items():
+            blocks = value.values() if isinstance(value, dict) else (value,)
+            key = h + suffix
+            out.add(h, next((p for p in map(lambda b: _position(b, key), blocks)
+                             if p is not None), None))
+        return out
+
+    def add(self, h, position: Optional[int]) -> None:
+        """`h` filed (again) with a page that gives its `position` (None:
+        one that does not)."""
+        if h in self.position_of:
+            if position is None or self.position_of[h] is not None:
+                return
+            self.unknown -= 1   # a key known so far only as a second key
+        elif position is None:
+            self.position_of[h] = None
+            self.unknown += 1
+            return
+        self.position_of[h] = position
+        n = self.count.get(position, 0)
+        if not n:
+            insort(self.order, position)
+        self.count[position] = n + 1
+
+    def remove(self, h) -> None:
+        position = self.position_of.pop(h)
+        if position is None:
+            self.unknown -= 1
+            return
+        n = self.count[position] - 1
+        if n:
+            self.count[position] = n
+        else:
+            del self.count[position]
+            del self.order[bisect_left(self.order, position)]
+
+    def complete(self) -> bool:
+        """Whether every kept hash has its position."""
+        return not self.unknown
+
+
+def _position(block, key) -> Optional[int]:
+    """The prefix length `key` hashes, where `block` holds it as its first
+    key; None otherwise."""
+    return block.block_hash_num_tokens if block.block_hash == key else None
 
 
 def _entries(cache: dict, suffix: bytes) -> dict:

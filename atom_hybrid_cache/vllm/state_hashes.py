@@ -17,6 +17,7 @@ vLLM's pool.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from itertools import compress, count
 from typing import Container, KeysView, Optional, Sequence
 
@@ -30,12 +31,17 @@ class StateHashes:
         self.watch = prefix_index_watch.of_pool(pool)
         self.group_id = group_id
         self.watch.mirror(group_id)
+        self.watch.positions(group_id)
 
     def current(self) -> Optional[KeysView]:
         """The hashes whose key of this group the index holds now, or None
         where they cannot be kept (callers then ask vLLM's index)."""
         entries = self.watch.mirror(self.group_id)
         return None if entries is None else entries.keys()
+
+    def positions(self) -> Optional[prefix_index_watch.KeyPositions]:
+        """Their token positions (`first_at_or_below`'s `positions`)."""
+        return self.watch.kept_positions(self.group_id)
 
 
 def of_pool(pool, group_id: int) -> Optional[KeysView]:
@@ -46,20 +52,73 @@ def of_pool(pool, group_id: int) -> Optional[KeysView]:
     return None if entries is None else entries.keys()
 
 
+def positions_of_pool(pool, group_id: int) -> Optional[prefix_index_watch.KeyPositions]:
+    """The token positions of those hashes, or None where none are kept."""
+    watch = prefix_index_watch.existing(pool)
+    return watch.kept_positions(group_id) if watch is not None else None
+
+
+# The first slice `first_at_or_below` copies, in hashes; each next one is
+# four times the last. Why slices at all: copying a hash into a slice takes
+# a reference (a write to a long-ago request's object, a cache miss each),
+# and a lookup's state is most often near its top: one copy of the whole
+# prefix down to 0 (~5,000 hashes for a 250k-token prompt) cost a state
+# lookup ~70% more than the hashes it read (BENCHMARKS.md, "the state half").
+FIRST_SLICE = 64
+
+
 def first_at_or_below(hashes: Container, block_hashes: Sequence, first: int, last: int,
-                      step: int = 1) -> int:
+                      step: int = 1, positions=None, unit: int = 0) -> int:
     """How many of the indices first, first - step, ... down to `last` (>= 0)
     come before the first whose hash of `block_hashes` is in `hashes`; the
-    number of those indices if none is. Runs in C over a slice of the list
-    (every `step`-th hash, downwards: a copy of the few asked, where an
-    iterator from the list's end would step over every hash above them)."""
+    number of those indices if none is.
+
+    With `positions` (the hashes' `KeyPositions`, complete) and `unit` (the
+    tokens a hash of `block_hashes` adds: index i hashes (i + 1) * unit
+    tokens), only the indices where some kept hash sits are read, a few in
+    a long prefix. Without, it runs in C over slices of the list (every
+    `step`-th hash, downwards, `FIRST_SLICE` of them first and four times
+    as many each time after: a copy of the few asked, where an iterator
+    from the list's end would step over every hash above them)."""
     n = len(block_hashes)
     total = (first - last) // step + 1 if first >= last else 0
+    if positions is not None and unit > 0 and positions.complete():
+        return _first_at_kept_positions(hashes, block_hashes, first, last, step,
+                                        positions.order, unit, total)
     # indices past the list (a top above its last full unit) hold nothing
-    skip = min(total, max(0, -(-(first - n + 1) // step)))
-    if skip == total:
+    done = min(total, max(0, -(-(first - n + 1) // step)))
+    contains = hashes.__contains__
+    size = FIRST_SLICE
+    while done < total:
+        k = min(size, total - done)
+        top = first - done * step
+        bottom = top - (k - 1) * step
+        asked = block_hashes[top:bottom - 1 if bottom else None:-step]
+        found = next(compress(count(), map(contains, asked)), None)
+        if found is not None:
+            return done + found
+        done += k
+        size *= 4
+    return total
+
+
+def _first_at_kept_positions(hashes, block_hashes, first: int, last: int, step: int,
+                             order: list, unit: int, total: int) -> int:
+    """`first_at_or_below` over the kept positions (`order`, ascending): a
+    hash of `block_hashes` is kept only where its prefix length is one of
+    them, so the indices at no kept position are not read. Why: each read is
+    of a long-ago request's hash object, a cache miss; a state lookup of a
+    250k-token prompt whose states are gone read ~5,000 of them."""
+    n = len(block_hashes)
+    top = min(first, n - 1)
+    if top < last:
         return total
-    top = first - skip * step
-    asked = block_hashes[top:last - 1 if last else None:-step]
-    found = next(compress(count(), map(hashes.__contains__, asked)), None)
-    return total if found is None else skip + found
+    lo = bisect_left(order, (last + 1) * unit)
+    for k in range(bisect_right(order, (top + 1) * unit) - 1, lo - 1, -1):
+        pos = order[k]
+        i = pos // unit - 1
+        if pos % unit or (first - i) % step:
+            continue
+        if block_hashes[i] in hashes:
+            return (first - i) // step
+    return total

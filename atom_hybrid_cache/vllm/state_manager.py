@@ -64,10 +64,13 @@ class AtomStateManager(MambaManager):
         top = min(max_length // alignment_tokens, len(block_hashes))
         hashes = state_hashes.of_pool(block_pool, kv_cache_group_ids[0])
         if hashes is not None:
-            # the candidates found in C over the kept set (state_hashes.py)
+            # the candidates: the kept hashes at the kept states' positions
+            # (state_hashes.py)
+            positions = state_hashes.positions_of_pool(block_pool, kv_cache_group_ids[0])
             i = top - 1
             while i >= 0:
-                i -= first_at_or_below(hashes, block_hashes, i, 0)
+                i -= first_at_or_below(hashes, block_hashes, i, 0, 1, positions,
+                                       alignment_tokens)
                 if i >= 0 and block_pool.get_cached_block(block_hashes[i], kv_cache_group_ids):
                     break
                 i -= 1

@@ -88,6 +88,12 @@ class StateSearch:
         every hash unit of the page below its top (prompt-end states sit
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
+        kept = self.hashes.positions()
+        if kept is not None and kept.complete():
+            # only the positions where some state sits (prefix_index_watch)
+            return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
+                                              self.probe(block_hashes),
+                                              kept_positions=kept.order)
         return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
                                           self.probe(block_hashes),
                                           self._first_candidate(block_hashes))

@@ -144,3 +144,62 @@ def test_a_groups_mirror_follows_every_insert_pop_and_reset():
     _insert(pool, hashes[0], KV_GROUP)
     assert _mirrored(watch.mirror(KV_GROUP)) == _index_entries(pool, KV_GROUP) \
         and list(watch.mirror(KV_GROUP)) == [hashes[0]]
+
+
+def test_the_state_groups_positions_follow_every_insert_pop_and_reset():
+    """`KeyPositions`: each kept hash's prefix length, read off a page filed
+    under it as its own key; a key that is so far only pages' second key
+    counts as unknown (the positions then do not cover the hashes) until a
+    page files it as its own; a key filed twice stays until its last page
+    goes; one group a pool; rebuilt at a reset."""
+    rng = random.Random(5)
+    pool = BlockPool(num_gpu_blocks=600, enable_caching=True, hash_block_size=64)
+    watch = prefix_index_watch.of_pool(pool)
+    index_map = pool.cached_block_hash_to_block
+    hashes = [bytes([i]) * 32 for i in range(16)]
+    position_of = {h: 64 * (i % 5 + 1) for i, h in enumerate(hashes)}   # shared positions
+    known: dict = {}   # the model: state hash -> whether a page gave its position
+
+    def file(h, group, own_key=True):
+        key = make_block_hash_with_group_id(h, group)
+        block = pool.get_new_blocks(1)[0]
+        if own_key:
+            block.set_block_hash(key, num_tokens=position_of[h])
+        pool.cached_block_hash_to_block.insert(key, block)   # the map after a reset too
+        if group == STATE_GROUP:
+            known[h] = known.get(h, False) or own_key
+        return key, block
+
+    def expected():
+        return (sorted({position_of[h] for h, k in known.items() if k}),
+                sum(not k for k in known.values()))
+
+    filed = [file(h, STATE_GROUP) for h in hashes[:4]]   # before the ask: read from the index
+    kept = watch.positions(STATE_GROUP)
+    assert watch.positions(KV_GROUP) is None             # one group a pool
+    assert (kept.order, kept.unknown) == ([64, 128, 192, 256], 0) and kept.complete()
+    seen_unknown = seen_twice = False
+    for step in range(600):
+        if filed and rng.random() < 0.45:
+            key, block = filed.pop(rng.randrange(len(filed)))
+            assert index_map.pop(key, block.block_id) is block
+            h = key[:-len(make_block_hash_with_group_id(b"", STATE_GROUP))]
+            if key.endswith(make_block_hash_with_group_id(b"", STATE_GROUP)) \
+                    and key not in index_map._cache:
+                del known[h]
+        else:
+            filed.append(file(rng.choice(hashes), rng.choice([STATE_GROUP, KV_GROUP]),
+                              own_key=rng.random() < 0.85))
+        kept = watch.positions(STATE_GROUP)
+        assert (kept.order, kept.unknown) == expected(), step
+        assert kept.complete() == (kept.unknown == 0)
+        seen_unknown |= kept.unknown > 0
+        seen_twice |= any(isinstance(v, dict) for v in watch.mirror(STATE_GROUP).values())
+    assert seen_unknown and seen_twice
+    # a reset rebuilds them from the new (empty) index, and they follow it
+    pool.free_blocks([b for b in pool.blocks[1:] if b.ref_cnt])
+    assert pool.reset_prefix_cache()
+    assert watch.positions(STATE_GROUP).order == []
+    known.clear()
+    file(hashes[7], STATE_GROUP)
+    assert watch.positions(STATE_GROUP).order == [position_of[hashes[7]]] == [192]

@@ -24,13 +24,18 @@ GROUPS = [1, 2, 3]
 H = 64
 
 
-def pool_with_states(rng, hashes, num_states: int) -> tuple[BlockPool, set]:
+def pool_with_states(rng, hashes, num_states: int,
+                     filed_as_vllm: bool = False) -> tuple[BlockPool, set]:
     """States at random unit boundaries of `hashes`; some in only part of
     the groups (evicted from the others), some filed under a length that
     is not their position (another prompt's page under the same hash), some
     filed under one key twice (vLLM's index then holds a dict of pages, and
     its first is read). Returns the pool and the positions every group
-    holds correctly."""
+    holds correctly. `filed_as_vllm`: each page holds its key as its own
+    (`set_block_hash`, as vLLM files a page), so the watcher knows every
+    key's position and the walks ask only the kept positions; else only
+    the page's length is set (no key of its own: the walks scan the
+    ranges)."""
     pool = BlockPool(num_gpu_blocks=8 * num_states + 8, enable_caching=True, hash_block_size=H)
     full = set()
     for i in rng.sample(range(len(hashes)), num_states):
@@ -41,9 +46,12 @@ def pool_with_states(rng, hashes, num_states: int) -> tuple[BlockPool, set]:
         copies = 2 if rng.random() < 0.2 else 1
         for g in groups:
             for block in pool.get_new_blocks(copies):
-                block._block_hash_num_tokens = length
-                pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[i], g),
-                                                       block)
+                key = make_block_hash_with_group_id(hashes[i], g)
+                if filed_as_vllm:
+                    block.set_block_hash(key, num_tokens=length)
+                else:
+                    block._block_hash_num_tokens = length
+                pool.cached_block_hash_to_block.insert(key, block)
         if groups == GROUPS and length == pos:
             full.add(pos)
     return pool, full
@@ -62,23 +70,37 @@ def stated(tops, full: set, page: int, max_pages: int) -> list[int]:
     return sorted(answers, reverse=True)
 
 
+@pytest.mark.parametrize("filed_as_vllm", [False, True])
 @pytest.mark.parametrize("page", [448, 128, 64])
-def test_the_search_finds_what_it_says_on_random_pools(page):
+def test_the_search_finds_what_it_says_on_random_pools(page, filed_as_vllm, monkeypatch):
+    from atom_hybrid_cache.core import eviction
+
+    kept_walks = []
+    real = eviction._highest_at_kept
+    monkeypatch.setattr(eviction, "_highest_at_kept",
+                        lambda *a: kept_walks.append(1) or real(*a))
     rng = random.Random(page)
+    complete = 0
     for case in range(400):
         hashes = [rng.randbytes(32) for _ in range(rng.randint(1, 150))]
-        pool, full = pool_with_states(rng, hashes, rng.randint(0, min(len(hashes), 20)))
+        pool, full = pool_with_states(rng, hashes, rng.randint(0, min(len(hashes), 20)),
+                                      filed_as_vllm)
         end = H * len(hashes) + rng.randint(0, H - 1)
         # a top may lie past the prefix's last hash (none is indexed there)
         tops = [rng.randint(0, end + 3 * H) for _ in range(rng.randint(0, 6))]
         max_pages = rng.choice([0, 1, 3, 64])
         search = StateSearch(pool, GROUPS, H, page)
+        complete += search.hashes.positions().complete()
         got = search.highest_at_or_below(hashes, tops, max_pages)
         assert [pos for pos, _ in got] == stated(tops, full, page, max_pages), case
         for pos, blocks in got:
             assert sorted(b.block_hash_num_tokens for b in blocks) == [pos] * len(GROUPS)
         # the diagnostics' whole-prefix walk finds exactly the full states
         assert search.positions(hashes, end) == sorted(p for p in full if p < end), case
+    # every walk asked the kept positions alone where the watcher knew them
+    # (without keys of their own: only the pools with no state)
+    assert len(kept_walks) == complete
+    assert complete == 400 if filed_as_vllm else complete < 40
 
 
 def test_an_anchor_between_pages_is_found_below_its_top():
