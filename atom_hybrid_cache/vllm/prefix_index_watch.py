@@ -189,8 +189,8 @@ class KeyPositions:
         for h, value in entries.items():
             blocks = value.values() if isinstance(value, dict) else (value,)
             key = h + suffix
-            out.add(h, next((p for p in map(lambda b: _position(b, key), blocks)
-                             if p is not None), None))
+            positions = (_position(b, key) for b in blocks)
+            out.add(h, next((p for p in positions if p is not None), None))
         return out
 
     def add(self, h, position: Optional[int]) -> None:
@@ -228,8 +228,8 @@ class KeyPositions:
 
 
 def _position(block, key) -> Optional[int]:
-    """The prefix length `key` hashes, where `block` holds it as its first
-    key; None otherwise."""
+    """The prefix length `key` hashes, where `block` holds it as its own
+    key (vLLM's first for the page); None otherwise."""
     return block.block_hash_num_tokens if block.block_hash == key else None
 
 

@@ -58,15 +58,6 @@ def positions_of_pool(pool, group_id: int) -> Optional[prefix_index_watch.KeyPos
     return watch.kept_positions(group_id) if watch is not None else None
 
 
-# The first slice `first_at_or_below` copies, in hashes; each next one is
-# four times the last. Why slices at all: copying a hash into a slice takes
-# a reference (a write to a long-ago request's object, a cache miss each),
-# and a lookup's state is most often near its top: one copy of the whole
-# prefix down to 0 (~5,000 hashes for a 250k-token prompt) cost a state
-# lookup ~70% more than the hashes it read (BENCHMARKS.md, "the state half").
-FIRST_SLICE = 64
-
-
 def first_at_or_below(hashes: Container, block_hashes: Sequence, first: int, last: int,
                       step: int = 1, positions=None, unit: int = 0) -> int:
     """How many of the indices first, first - step, ... down to `last` (>= 0)
@@ -76,9 +67,8 @@ def first_at_or_below(hashes: Container, block_hashes: Sequence, first: int, las
     With `positions` (the hashes' `KeyPositions`, complete) and `unit` (the
     tokens a hash of `block_hashes` adds: index i hashes (i + 1) * unit
     tokens), only the indices where some kept hash sits are read, a few in
-    a long prefix. Without, it runs in C over slices of the list (every
-    `step`-th hash, downwards, `FIRST_SLICE` of them first and four times
-    as many each time after: a copy of the few asked, where an iterator
+    a long prefix. Without, it runs in C over a slice of the list (every
+    `step`-th hash, downwards: a copy of the few asked, where an iterator
     from the list's end would step over every hash above them)."""
     n = len(block_hashes)
     total = (first - last) // step + 1 if first >= last else 0
@@ -86,20 +76,13 @@ def first_at_or_below(hashes: Container, block_hashes: Sequence, first: int, las
         return _first_at_kept_positions(hashes, block_hashes, first, last, step,
                                         positions.order, unit, total)
     # indices past the list (a top above its last full unit) hold nothing
-    done = min(total, max(0, -(-(first - n + 1) // step)))
-    contains = hashes.__contains__
-    size = FIRST_SLICE
-    while done < total:
-        k = min(size, total - done)
-        top = first - done * step
-        bottom = top - (k - 1) * step
-        asked = block_hashes[top:bottom - 1 if bottom else None:-step]
-        found = next(compress(count(), map(contains, asked)), None)
-        if found is not None:
-            return done + found
-        done += k
-        size *= 4
-    return total
+    skip = min(total, max(0, -(-(first - n + 1) // step)))
+    if skip == total:
+        return total
+    top = first - skip * step
+    asked = block_hashes[top:last - 1 if last else None:-step]
+    found = next(compress(count(), map(hashes.__contains__, asked)), None)
+    return total if found is None else skip + found
 
 
 def _first_at_kept_positions(hashes, block_hashes, first: int, last: int, step: int,

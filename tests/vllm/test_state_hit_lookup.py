@@ -131,3 +131,69 @@ def test_a_lookup_reads_only_the_hashes_at_kept_positions():
         assert hit == 64 * 800 and [b[-1].is_null for b in blocks] == [False] * 3
         reads[positioned] = hashes.reads
     assert reads[True] == reads[False] + 4
+
+
+def test_the_kept_hashes_follow_the_index_through_a_reset():
+    rng = random.Random(1)
+    hashes = [rng.randbytes(32) for _ in range(40)]
+    pool = pool_with_states(rng, hashes, 30, kept=True)
+    kept = StateHashes(pool, GROUPS[0])
+    suffix = make_block_hash_with_group_id(b"", GROUPS[0])
+    in_index = {k[:-len(suffix)] for k in pool.cached_block_hash_to_block._cache
+                if k.endswith(suffix)}
+    assert kept.current() == in_index and len(in_index) > 5
+    # a reset replaces vLLM's index: the set is the new one's (empty), and
+    # it follows the new index from then on
+    for key, blocks in list(pool.cached_block_hash_to_block._cache.items()):
+        for b in (list(blocks.values()) if isinstance(blocks, dict) else [blocks]):
+            pool.cached_block_hash_to_block.pop(key, b.block_id)
+    assert kept.current() == set()
+    pool.reset_prefix_cache()
+    assert kept.current() == set()
+    block = pool.get_new_blocks(1)[0]
+    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[3], GROUPS[0]),
+                                           block)
+    assert kept.current() == {hashes[3]}
+    # a key filed twice stays while one of its pages does
+    key = make_block_hash_with_group_id(hashes[5], GROUPS[0])
+    first, second = pool.get_new_blocks(2)
+    pool.cached_block_hash_to_block.insert(key, first)
+    pool.cached_block_hash_to_block.insert(key, second)
+    pool.cached_block_hash_to_block.pop(key, first.block_id)
+    assert kept.current() == {hashes[3], hashes[5]}
+    pool.cached_block_hash_to_block.pop(key, second.block_id)
+    assert kept.current() == {hashes[3]}
+    # another group's keys are not this group's states
+    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(hashes[7], GROUPS[1]),
+                                           pool.get_new_blocks(1)[0])
+    assert kept.current() == {hashes[3]}
+
+
+def test_first_at_or_below_is_the_plain_scan():
+    """The C scan over a slice answers as a loop over the indices would,
+    tops past the list's end and a stop at index 0 included, with the kept
+    positions (each kept hash at its prefix length, among other prefixes'
+    lengths) and without."""
+    from atom_hybrid_cache.vllm.prefix_index_watch import KeyPositions
+    from atom_hybrid_cache.vllm.state_hashes import first_at_or_below
+
+    rng = random.Random(7)
+    for _ in range(2000):
+        n = rng.randrange(0, 40)
+        hashes = [bytes([i]) for i in range(n)]
+        kept = {h for h in hashes if rng.random() < 0.15}
+        step = rng.choice([1, 1, 3, 10])
+        last = rng.randrange(0, 45)
+        first = last + rng.randrange(-2, 50)
+        asked = list(range(first, last - 1, -step))
+        want = next((k for k, i in enumerate(asked) if i < n and hashes[i] in kept), len(asked))
+        assert first_at_or_below(kept, hashes, first, last, step) == want, (n, first, last, step)
+        positions = KeyPositions()
+        for i, h in enumerate(hashes):
+            if h in kept:
+                positions.add(h, 64 * (i + 1))
+        for j in range(rng.randrange(0, 5)):
+            positions.add(b"other" + bytes([j]), rng.randrange(1, 64 * (n + 3)))
+        assert first_at_or_below(kept, hashes, first, last, step, positions, 64) == want
+    # exact: the third asked index (20, 10, 0: index 0) holds the only kept hash
+    assert first_at_or_below({b"\x00"}, [bytes([i]) for i in range(25)], 20, 0, 10) == 2
