@@ -14,8 +14,8 @@ Two things follow the index's changes:
 - for the first state group, the token position of each mirrored hash
   (`KeyPositions`): a state walk over a long prefix then reads only the
   hashes at positions where some state sits, not every hash down to it;
-- the log of the hashes whose keys changed while a lookup is kept
-  (`step_lookups.py`).
+- the log of the keys changed while a lookup is kept, each as its hash
+  and its prefix length where known (`step_lookups.py`).
 The index's `insert` and `pop` are wrapped once, by this object, and each
 wrapper does both jobs inline: every page vLLM caches or evicts goes
 through them (a few tens a step), where a wrapper each (or a listener call
@@ -64,8 +64,9 @@ class PrefixIndexWatch:
         self._suffixes: dict = {}
         # key suffix -> {block hash: the index's value}; replaced at a reset
         self._mirrors: dict = {}
-        # where the hashes of changed keys go while a step's lookups are
-        # kept (step_lookups.py sets and clears it); None: not logged
+        # where (hash, position or None) of each changed key goes while
+        # lookups are kept (step_lookups.py sets and clears it); None: not
+        # logged
         self.change_log: Optional[list] = None
         # the one group whose keys' positions are kept, and them
         self._positioned: Optional[int] = None
@@ -142,7 +143,7 @@ class PrefixIndexWatch:
                 entries[h] = cache[key]   # the block, or vLLM's dict of them
             log = watch.change_log
             if log is not None:
-                log.append(h)
+                log.append((h, _position(block, key)))
 
         def watched_pop(key, block_id):
             popped = pop(key, block_id)
@@ -157,7 +158,8 @@ class PrefixIndexWatch:
                         track.remove(h)
                 log = watch.change_log
                 if log is not None:
-                    log.append(h)
+                    # vLLM resets the page's hash after the pop: read here
+                    log.append((h, _position(popped, key)))
             return popped
 
         index_map.insert = watched_insert

@@ -14,7 +14,8 @@ attention-only model). It overrides five methods and nothing else:
 - `reset_prefix_cache`: the plugin's references go first.
 Without our state groups it is vLLM's scheduler (plus the gate, if asked).
 The lookups the gate and hits-first make answer vLLM's lookups of the same
-step while they stand (`step_lookups`); the attention half of every lookup
+step, and theirs of the steps after, while they stand (`step_lookups`);
+the attention half of every lookup
 is the plugin's walk (`attention_lookup`), vLLM's answer.
 """
 
@@ -70,7 +71,7 @@ class AtomSchedulerMixin:
         hits = {} if gate is not None else None
         lookups = self.atom_lookups
         if lookups is not None:
-            lookups.record()
+            lookups.begin_step()
         if parts.floors is not None:
             # before the gate counts the free pages: a floor is not free
             parts.floors.hold_window(self)
@@ -79,14 +80,12 @@ class AtomSchedulerMixin:
         if parts.store is not None:
             parts.store.open_step()
         gated = gate.open(self, hits) if gate is not None else None
-        if lookups is not None:
-            lookups.stop_recording()
         out = None
         try:
             out = super().schedule(*args, **kwargs)
         finally:
             if lookups is not None:
-                lookups.forget()
+                lookups.end_step()
             if gated is not None:
                 gate.close(self, gated, out)
         if parts.planner is not None:

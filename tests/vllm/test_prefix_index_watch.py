@@ -60,13 +60,13 @@ def test_one_wrapper_keeps_the_state_hashes_and_the_change_log(state_hashes_firs
     # a kept lookup: the changes of every group are logged, and a change
     # of one of its hashes drops it
     prefix = [b"a" * 32, b"s" * 32]
-    lookups.record()
+    lookups.begin_step()
     coordinator.find_longest_cache_hit(prefix, 2)
-    lookups.stop_recording()
     kv = _insert(pool, b"k" * 32, KV_GROUP)
     pool.cached_block_hash_to_block.pop(make_block_hash_with_group_id(b"s" * 32, STATE_GROUP),
                                         state.block_id)
-    assert lookups._changes == [b"k" * 32, b"s" * 32]
+    # (no page here holds its key as its own: no prefix length known)
+    assert lookups._changes == [(b"k" * 32, None), (b"s" * 32, None)]
     assert kept.current() == set()
     coordinator.find_longest_cache_hit(prefix, 2)
     assert (lookups.answered, lookups.dropped, coordinator.calls) == (0, 1, 2)
@@ -78,11 +78,11 @@ def test_one_wrapper_keeps_the_state_hashes_and_the_change_log(state_hashes_firs
     pool.free_blocks([state, kv])
     assert pool.reset_prefix_cache()
     assert pool.cached_block_hash_to_block is not index_map
-    lookups.record()
+    lookups.begin_step()
     assert kept.current() == set()
     coordinator.find_longest_cache_hit(prefix, 2)
     _insert(pool, b"t" * 32, STATE_GROUP)
-    assert kept.current() == {b"t" * 32} and lookups._changes == [b"t" * 32]
+    assert kept.current() == {b"t" * 32} and lookups._changes == [(b"t" * 32, None)]
     unwrapped_insert, _ = pool.cached_block_hash_to_block._atom_unwrapped
     assert unwrapped_insert.__func__ is BlockHashToBlockMap.insert
 

@@ -1,6 +1,7 @@
 """StepLookups: a lookup kept before vLLM's schedule() answers vLLM's own
-lookup of the same request exactly while none of that request's prefix
-keys is inserted into or removed from vLLM's prefix index."""
+lookup of the same request, and the plugin's in the next steps, exactly
+while none of that request's prefix keys is inserted into or removed from
+vLLM's prefix index."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ from vllm.v1.core.kv_cache_utils import KVCacheBlock, make_block_hash_with_group
 from atom_hybrid_cache.vllm.step_lookups import StepLookups  # noqa: E402
 
 
+UNIT = 16
+
+
 class FakePool:
+    hash_block_size = UNIT
+
     def __init__(self) -> None:
         self.cached_block_hash_to_block = BlockHashToBlockMap()
 
@@ -39,9 +45,16 @@ class FakeCoordinator:
         return (blocks,), len(blocks), 0
 
 
-def _index(pool, block_hash: bytes, block_id: int) -> KVCacheBlock:
+def _index(pool, block_hash: bytes, block_id: int, own_key: bool = True) -> KVCacheBlock:
+    """A page filed under `block_hash` (b"a2": the second hash of a prefix,
+    a prefix of 2 * UNIT tokens), as vLLM files one: the key its own,
+    with the prefix's length (`own_key=False`: a page's second key, no
+    length known)."""
     block = KVCacheBlock(block_id)
-    pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(block_hash, 0), block)
+    key = make_block_hash_with_group_id(block_hash, 0)
+    if own_key:
+        block.set_block_hash(key, num_tokens=UNIT * int(block_hash[1:]))
+    pool.cached_block_hash_to_block.insert(key, block)
     return block
 
 
@@ -53,19 +66,23 @@ def test_kept_lookup_answers_until_one_of_its_keys_changes():
     other = [b"o1"]
     b1, b2 = _index(pool, b"a1", 1), _index(pool, b"a2", 2)
 
-    lookups.record()
+    lookups.begin_step()
     kept = coordinator.find_longest_cache_hit(a, 3)
     assert kept == (([b1, b2],), 2, 0) and coordinator.calls == 1
-    lookups.stop_recording()
 
     # vLLM's lookup of the same list: answered, in lists of its own
     again = coordinator.find_longest_cache_hit(a, 3)
     assert again == kept and again[0][0] is not kept[0][0]
     assert (coordinator.calls, lookups.answered) == (1, 1)
-    # another length, or a request not looked up before: computed, not kept
-    assert coordinator.find_longest_cache_hit(a, 1) == (([b1],), 1, 0)
+    # another length, or a request not looked up before: computed (and
+    # kept: each caller's lists are its own, the first one's too)
+    shorter = coordinator.find_longest_cache_hit(a, 1)
+    assert shorter == (([b1],), 1, 0)
+    shorter[0][0].append("the caller's")
     assert coordinator.find_longest_cache_hit(other, 1) == (([],), 0, 0)
     assert coordinator.calls == 3
+    assert coordinator.find_longest_cache_hit(a, 1) == (([b1],), 1, 0)
+    assert (coordinator.calls, lookups.answered) == (3, 2)
 
     # a key of another prefix changes nothing
     _index(pool, b"o1", 9)
@@ -84,7 +101,7 @@ def test_an_eviction_of_its_key_drops_it_and_forget_ends_the_step():
     a = [b"a1", b"a2"]
     b1, b2 = _index(pool, b"a1", 1), _index(pool, b"a2", 2)
 
-    lookups.record()
+    lookups.begin_step()
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1, b2],), 2, 0)
     # removing a block the key does not name changes nothing
     assert pool.cached_block_hash_to_block.pop(make_block_hash_with_group_id(b"a2", 0), 7) is None
@@ -94,12 +111,80 @@ def test_an_eviction_of_its_key_drops_it_and_forget_ends_the_step():
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
     assert (coordinator.calls, lookups.dropped) == (2, 1)
 
-    # kept while recording (the gate's lookups), gone with the step
+    # kept, and all gone with `forget`
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
     assert coordinator.calls == 2
     lookups.forget()
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
     assert coordinator.calls == 3
+
+
+def test_a_kept_lookup_stands_across_steps_while_asked_each_step():
+    """A request waiting for room is looked up again the next step: the
+    kept answer stands while it is asked every step and none of the
+    request's keys changed (a change is read at its prefix length only:
+    another prefix's key of the same length is not the request's); a step
+    without the ask drops it, and with no lookup kept nothing is listed."""
+    pool = FakePool()
+    coordinator = FakeCoordinator(pool)
+    lookups = StepLookups(coordinator, pool)
+    a = [b"a1", b"a2", b"a3"]
+    b1, b2 = _index(pool, b"a1", 1), _index(pool, b"a2", 2)
+
+    lookups.begin_step()
+    kept = coordinator.find_longest_cache_hit(a, 3)
+    lookups.end_step()
+    # the steps after: other prefixes' pages cached and evicted, at the
+    # request's lengths too
+    o2 = _index(pool, b"o2", 9)
+    _index(pool, b"o3", 10)
+    pool.cached_block_hash_to_block.pop(make_block_hash_with_group_id(b"o2", 0), o2.block_id)
+    for step in range(3):
+        lookups.begin_step()
+        got = coordinator.find_longest_cache_hit(a, 3)
+        assert got == kept == (([b1, b2],), 2, 0) and got[0][0] is not kept[0][0]
+        lookups.end_step()
+        # what the answer read is listed no longer
+        assert lookups._changes == []
+        _index(pool, b"o1", 20 + step)
+    assert (coordinator.calls, lookups.answered, lookups.dropped) == (1, 3, 0)
+    assert len(lookups._changes) == 1
+
+    # the request's own next key is cached: the hit grows
+    b3 = _index(pool, b"a3", 3)
+    lookups.begin_step()
+    assert coordinator.find_longest_cache_hit(a, 3) == (([b1, b2, b3],), 3, 0)
+    assert (coordinator.calls, lookups.dropped) == (2, 1)
+    lookups.end_step()
+
+    # a step that does not ask for it: gone, and nothing listed any more
+    lookups.begin_step()
+    lookups.end_step()
+    lookups.begin_step()
+    assert lookups._kept == {} and pool.cached_block_hash_to_block is lookups._index
+    assert lookups._watch.change_log is None and lookups._changes == []
+    coordinator.find_longest_cache_hit(a, 3)
+    assert coordinator.calls == 3
+
+
+def test_a_change_of_unknown_length_is_compared_with_the_hashes():
+    """A key filed only as a page's second key has no prefix length: the
+    request's hashes are compared with it (another prefix's stands, the
+    request's own drops)."""
+    pool = FakePool()
+    coordinator = FakeCoordinator(pool)
+    lookups = StepLookups(coordinator, pool)
+    a = [b"a1", b"a2"]
+    b1 = _index(pool, b"a1", 1)
+    lookups.begin_step()
+    coordinator.find_longest_cache_hit(a, 2)
+    _index(pool, b"o2", 5, own_key=False)
+    assert lookups._changes == [(b"o2", None)]
+    assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
+    assert (coordinator.calls, lookups.answered) == (1, 1)
+    b2 = _index(pool, b"a2", 6, own_key=False)
+    assert coordinator.find_longest_cache_hit(a, 2) == (([b1, b2],), 2, 0)
+    assert (coordinator.calls, lookups.dropped) == (2, 1)
 
 
 def test_a_reset_index_is_watched_again():
@@ -108,7 +193,7 @@ def test_a_reset_index_is_watched_again():
     lookups = StepLookups(coordinator, pool)
     a = [b"a1"]
     pool.cached_block_hash_to_block = BlockHashToBlockMap()   # vLLM's reset_prefix_cache
-    lookups.record()
+    lookups.begin_step()
     assert coordinator.find_longest_cache_hit(a, 1) == (([],), 0, 0)
     b1 = _index(pool, b"a1", 1)
     assert coordinator.find_longest_cache_hit(a, 1) == (([b1],), 1, 0)
@@ -120,10 +205,11 @@ def test_a_change_before_a_lookup_was_kept_does_not_drop_it():
     coordinator = FakeCoordinator(pool)
     lookups = StepLookups(coordinator, pool)
     a, other = [b"a1", b"a2"], [b"o1"]
-    lookups.record()
+    lookups.begin_step()
     coordinator.find_longest_cache_hit(other, 1)     # kept: changes are listed from now
     b1 = _index(pool, b"a1", 1)                      # a key of `a`, before `a` is looked up
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
-    lookups.stop_recording()
+    lookups.end_step()
+    lookups.begin_step()
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
     assert (coordinator.calls, lookups.answered, lookups.dropped) == (2, 1, 0)
