@@ -69,10 +69,6 @@ class StepLookups:
         read are listed no longer."""
         self._trim_changes()
 
-    def forget(self) -> None:
-        self._kept = {}
-        self._trim_changes()
-
     def find_longest_cache_hit(self, block_hashes, max_cache_hit_length: int):
         key = (id(block_hashes), len(block_hashes), max_cache_hit_length)
         entry: Optional[list] = self._kept.get(key)

@@ -70,8 +70,12 @@ def test_one_wrapper_keeps_the_state_hashes_and_the_change_log(state_hashes_firs
     assert kept.current() == set()
     coordinator.find_longest_cache_hit(prefix, 2)
     assert (lookups.answered, lookups.dropped, coordinator.calls) == (0, 1, 2)
-    lookups.forget()
-    assert kept.watch.change_log is None
+    # asked in this step, it stands into the next; a step without the ask
+    # drops it: nothing kept, nothing logged
+    lookups.begin_step()
+    assert len(lookups._kept) == 1
+    lookups.begin_step()
+    assert lookups._kept == {} and kept.watch.change_log is None
 
     # a reset (every page free): the new index is wrapped once, and both
     # follow it

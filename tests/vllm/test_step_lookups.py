@@ -94,7 +94,7 @@ def test_kept_lookup_answers_until_one_of_its_keys_changes():
     assert (coordinator.calls, lookups.dropped) == (4, 1)
 
 
-def test_an_eviction_of_its_key_drops_it_and_forget_ends_the_step():
+def test_an_eviction_of_its_key_drops_it_and_a_step_without_the_ask_ends_it():
     pool = FakePool()
     coordinator = FakeCoordinator(pool)
     lookups = StepLookups(coordinator, pool)
@@ -111,10 +111,15 @@ def test_an_eviction_of_its_key_drops_it_and_forget_ends_the_step():
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
     assert (coordinator.calls, lookups.dropped) == (2, 1)
 
-    # kept, and all gone with `forget`
+    # kept into the next step while asked, gone after a step without the ask
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
     assert coordinator.calls == 2
-    lookups.forget()
+    lookups.begin_step()
+    assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
+    assert coordinator.calls == 2
+    lookups.begin_step()
+    lookups.begin_step()
+    assert lookups._changes == [] and lookups._watch.change_log is None
     assert coordinator.find_longest_cache_hit(a, 2) == (([b1],), 1, 0)
     assert coordinator.calls == 3
 
