@@ -46,6 +46,7 @@ def _parts() -> list[tuple[object, str, str]]:
     from atom_hybrid_cache.core.planner import CheckpointPlanner
     from atom_hybrid_cache.vllm import admission, admission_gate, cached_tokens_estimate, release
     from atom_hybrid_cache.vllm.attention_lookup import AtomAttentionLookup
+    from atom_hybrid_cache.vllm.finished_token_lists import FinishedTokenLists
     from atom_hybrid_cache.vllm.floor_states import FloorStates
     from atom_hybrid_cache.vllm.state_manager import AtomStateManager
     return [
@@ -69,6 +70,7 @@ def _parts() -> list[tuple[object, str, str]]:
         (FloorStates, "hold_window", "floors"),
         (admission, "chunk_tokens", "chunk stops"),
         (admission, "after_schedule", "after schedule"),
+        (FinishedTokenLists, "free_slice", "finished requests' lists, a slice"),
         (AtomAttentionLookup, "find_longest_cache_hit", "lookup: attention half"),
         (AtomStateManager, "find_longest_cache_hit", "lookup: state half"),
     ]

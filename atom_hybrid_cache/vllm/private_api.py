@@ -30,6 +30,8 @@ CPU_GDN_FORWARD = ("the plugin's CPU GDN and KDA forwards (interior checkpoints,
                    "models, KDA on CPU; vLLM's forward runs instead)")
 REPLAYSSM_ALIGN = ("ReplaySSM with prefix caching (align mode page moves; without it "
                    "vLLM's fused speculative copies run)")
+STEP_TAIL_FREES = ("freeing a finished request's prompt-plus-output list a slice a step "
+                   "(it is freed in the step that releases the request)")
 # (LMCache's, not vLLM's: the store connector's close reads two of them)
 STORE_REMOTE_DRAIN = ("waiting for the LMCache remote tier's queued puts at close "
                       "(the last spills may be lost)")
@@ -56,6 +58,8 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(_SCHEDULER, "_mamba_block_aligned_split", CHECKPOINT_PLACEMENT),
     PrivateName(_SCHEDULER, "_free_request_blocks", EVICTION_ORDER),
     PrivateName(_SCHEDULER, "_request_blocks_can_be_freed", EVICTION_ORDER),
+    PrivateName("vllm.v1.request:Request", "_all_token_ids", STEP_TAIL_FREES,
+                on_instances=True),
     PrivateName(_MAMBA_MANAGER, "_partial_hit_reqs", STEADY_SHORTCUTS, on_instances=True),
     PrivateName(_MAMBA_MANAGER, "_allocated_block_reqs", STEADY_SHORTCUTS, on_instances=True),
     PrivateName(_MAMBA_MANAGER, "_num_retired_blocks", STEADY_SHORTCUTS, on_instances=True),

@@ -8,9 +8,11 @@ attention-only model). It overrides five methods and nothing else:
 - `schedule`: admission. Before vLLM's step, floor states
   (`floor_states`), hits-first (`admission_order`) and the admission gate
   (`admission_gate`); after it, the step's accounting
-  (`admission.after_schedule`);
+  (`admission.after_schedule`) and a slice of the released requests'
+  token lists freed;
 - `_mamba_block_aligned_split`: chunk stops (`admission.chunk_tokens`);
-- `_free_request_blocks`: release in units (`release`);
+- `_free_request_blocks`: release in units (`release`), and the request's
+  token lists kept to be freed a slice a step (`finished_token_lists`);
 - `reset_prefix_cache`: the plugin's references go first.
 Without our state groups it is vLLM's scheduler (plus the gate, if asked).
 The lookups the gate and hits-first make answer vLLM's lookups of the same
@@ -90,6 +92,8 @@ class AtomSchedulerMixin:
                 gate.close(self, gated, out)
         if parts.planner is not None:
             admission.after_schedule(self, parts, out)
+        if parts.finished_lists is not None:
+            parts.finished_lists.free_slice()
         return out
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:
@@ -109,6 +113,8 @@ class AtomSchedulerMixin:
         if parts.planner is None:
             return super()._free_request_blocks(request)
         parts.passed_over.pop(request.request_id, None)
+        if parts.finished_lists is not None:
+            parts.finished_lists.keep(request)
         if parts.units_on_release:
             return release.free_in_units(self, parts, request)
         release.give_back_held(self, parts, request)

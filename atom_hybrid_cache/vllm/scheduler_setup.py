@@ -22,6 +22,7 @@ from ..core.tail_price import describe_price
 from . import private_api
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
+from .finished_token_lists import FinishedTokenLists
 from .floor_states import FloorStates
 from .state_manager import AtomStateManager
 from .state_search import StateSearch
@@ -54,6 +55,8 @@ class SchedulerParts:
     # ReplaySSM pages in align mode: a verify window ends at the next
     # multiple of this many tokens (0: windows as vLLM schedules them)
     verify_window_page_tokens: int = 0
+    # released requests' token lists, freed a slice a step
+    finished_lists: Optional[FinishedTokenLists] = None
 
 
 def build_parts(sched) -> SchedulerParts:
@@ -110,7 +113,7 @@ def build_parts(sched) -> SchedulerParts:
         gate=_admission_gate(sched, settings.server.admission_gate, policy, planner.stats),
         units_on_release=policy.reuse_aware and private_api.feature_on(
             private_api.EVICTION_ORDER),
-        verify_window_page_tokens=window_page)
+        verify_window_page_tokens=window_page, finished_lists=FinishedTokenLists())
     planner.gate_on = parts.gate is not None
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)
