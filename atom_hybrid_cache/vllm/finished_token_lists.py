@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
+from typing import Optional
 
 from . import private_api
 
@@ -52,19 +53,13 @@ class FinishedTokenLists:
         self.groups: deque = deque()
         self.pending = 0
         self._only_kept = _references_when_only_kept()
-        self._private_checked = False
-        self._private_ok = False
-
-    @property
-    def lists(self) -> list:
-        """Every kept list, oldest request first."""
-        return [entries for group in self.groups for entries in group]
+        # whether vLLM's Request has the private list (asked of the first)
+        self._private_ok: Optional[bool] = None
 
     def keep(self, request) -> None:
         """Keep `request`'s long lists (called as vLLM releases it: it drops
         the request right after)."""
-        if not self._private_checked:
-            self._private_checked = True
+        if self._private_ok is None:
             self._private_ok = private_api.instance_has(request, private_api.STEP_TAIL_FREES)
         # the prompt plus output is private (`all_token_ids` is a read-only
         # view of it)

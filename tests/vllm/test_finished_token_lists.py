@@ -32,6 +32,11 @@ def _request(rid: str, n: int):
                    arrival_time=0.0)
 
 
+def _lengths(kept: FinishedTokenLists) -> list:
+    """The length of every kept list, oldest request first."""
+    return [len(entries) for group in kept.groups for entries in group]
+
+
 def test_a_kept_request_is_freed_from_the_end_a_slice_a_step():
     assert (finished_token_lists.SLICE_ENTRIES, finished_token_lists.DRAIN_STEPS) == (8192, 16)
     lists = FinishedTokenLists()
@@ -39,16 +44,16 @@ def test_a_kept_request_is_freed_from_the_end_a_slice_a_step():
     prompt_head = request.prompt_token_ids[:10]
     lists.keep(request)
     # the prompt, and the prompt plus output
-    assert [len(x) for x in lists.lists] == [20_000, 20_000] and lists.pending == 40_000
+    assert _lengths(lists) == [20_000, 20_000] and lists.pending == 40_000
     del request                     # what vLLM does right after the release
     assert lists.free_slice() == 8192
     assert lists.pending == 31_808
     # both cut from their ends by the same share: what is left is the
     # prompt's first tokens
-    assert [len(x) for x in lists.lists] == [20_000 - 4096, 20_000 - 4096]
-    assert lists.lists[0][:10] == prompt_head
+    assert _lengths(lists) == [20_000 - 4096, 20_000 - 4096]
+    assert lists.groups[0][0][:10] == prompt_head
     assert [lists.free_slice() for _ in range(5)] == [8192, 8192, 8192, 7232, 0]
-    assert lists.pending == 0 and not lists.lists
+    assert lists.pending == 0 and not lists.groups
 
 
 def test_a_large_backlog_drains_a_sixteenth_a_step():
@@ -77,7 +82,7 @@ def test_a_list_referenced_elsewhere_is_let_go_uncut():
     del request
     assert lists.free_slice() == 8192          # the prompt let go; the other list cut
     assert prompt == original
-    assert [len(x) for x in lists.lists] == [20_000 - 8192] and lists.pending == 11_808
+    assert _lengths(lists) == [20_000 - 8192] and lists.pending == 11_808
 
 
 def test_the_scheduler_keeps_a_released_requests_lists_and_frees_a_slice_each_schedule(
@@ -95,9 +100,9 @@ def test_the_scheduler_keeps_a_released_requests_lists_and_frees_a_slice_each_sc
     # no longer references), the block hashes (of the prompt and output:
     # 3,024 // 64) and the prompt plus output wait, uncut, for the next
     # schedule()
-    assert [len(x) for x in finished.lists] == [PROMPT, 47, PROMPT + DECODE]
+    assert _lengths(finished) == [PROMPT, 47, PROMPT + DECODE]
     assert finished.pending == 6071
     del all_tokens      # (a read-only view of the last list: it holds it)
     # under one slice (8,192 entries): all of it at the next schedule()
     sched.schedule()
-    assert finished.pending == 0 and not finished.lists
+    assert finished.pending == 0 and not finished.groups
