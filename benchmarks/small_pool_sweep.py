@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -210,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     print_table(cells, policies, len(groups))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"args": vars(args), "subsets": [[p.stem for p in g] for g in groups],
+            {"args": vars(args),
+             # the plugin's settings a run was given (`load_settings` reads them)
+             "atom_env": {k: v for k, v in os.environ.items() if k.startswith("ATOM_")},
+             "subsets": [[p.stem for p in g] for g in groups],
              "cells": cells}, indent=1) + "\n")
     return 0
 
