@@ -3,14 +3,14 @@
 One place parses and validates them, at start-up, with errors that name the
 offending setting. Unset variables change nothing: the defaults stand.
 
-Three groups, by who reads them:
+Two groups, by who reads them:
 - `PlacementConfig`: where checkpoints go and how they leave (the core's
   policy: the replay planner and the vLLM plugin both);
 - `ServerConfig`: what only the vLLM plugin does (admission, floors,
-  interior checkpoints);
-- `ReplayPoolConfig`: the replay planner's own pools (sizes come from the
-  model's geometry and the memory budget).
-`Settings` carries the first two and the two plain numbers both read.
+  interior checkpoints).
+`Settings` carries both and the two plain numbers both read. The replay
+planner's own pools, sized from the model's geometry and the memory budget
+rather than set by a variable, are `core/replay_pool_config.py`.
 """
 
 from __future__ import annotations
@@ -26,11 +26,6 @@ ADMISSION_ORDERS = ("arrival", "hits-first")
 ADMISSION_GATE_MODES = ("off", "on", "auto")
 # Steps the admission gate may hold a request (vllm/admission_gate.py).
 ADMISSION_GATE_MAX_HOLD_STEPS = 32
-
-# Checkpoint-only slots per request slot in the replay planner when
-# ATOM_STATE_CHECKPOINT_SLOTS is unset: room for each conversation's anchor,
-# its insurance, branch points and the anchors of a few turns back.
-DEFAULT_HEADROOM_PER_SEQ = 8
 
 # The largest prefix-hash unit the plugin asks of vLLM where its
 # `--prefix-match-unit` is unset (vLLM's own is the state-page-sized block,
@@ -55,11 +50,11 @@ def _at_least(name: str, v: int, low: int) -> None:
         raise ConfigError(f"{name} must be {what}, got {v!r}")
 
 
-def _positive(name: str, v: int) -> None:
+def check_positive(name: str, v: int) -> None:
     _at_least(name, v, 1)
 
 
-def _non_negative(name: str, v: int) -> None:
+def check_non_negative(name: str, v: int) -> None:
     _at_least(name, v, 0)
 
 
@@ -110,7 +105,7 @@ class PlacementConfig:
         if not isinstance(self.interval_tokens, int) or self.interval_tokens < -1:
             raise ConfigError("state_checkpoint_interval_tokens must be > 0, 0 (off) or -1 "
                               f"(no ladder), got {self.interval_tokens!r}")
-        _non_negative("state_checkpoint_anchor_margin", self.anchor_margin_tokens)
+        check_non_negative("state_checkpoint_anchor_margin", self.anchor_margin_tokens)
         _one_of("state_checkpoint_eviction", self.eviction, EVICTION_POLICIES)
         for f in self.cut_backoffs:
             if not 0.0 <= f < 1.0:
@@ -120,9 +115,9 @@ class PlacementConfig:
         _fractions("state_checkpoint_retain", self.retain_fractions)
         _fractions("state_checkpoint_cold", self.cold_fractions)
         _fractions("state_checkpoint_span", self.span_fractions)
-        _non_negative("protected_per_seq", self.protected_per_seq)
-        _non_negative("state_checkpoint_insure_tokens", self.insure_recompute_tokens)
-        _non_negative("state_checkpoint_insure_distance", self.insure_distance_tokens)
+        check_non_negative("protected_per_seq", self.protected_per_seq)
+        check_non_negative("state_checkpoint_insure_tokens", self.insure_recompute_tokens)
+        check_non_negative("state_checkpoint_insure_distance", self.insure_distance_tokens)
 
 
 @dataclass(frozen=True)
@@ -140,7 +135,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         _one_of("interior_checkpoints", self.interior_checkpoints, INTERIOR_CHECKPOINT_MODES)
         if self.replayssm_cache_len is not None:
-            _positive("replayssm_cache_len", self.replayssm_cache_len)
+            check_positive("replayssm_cache_len", self.replayssm_cache_len)
         _one_of("admission_order", self.admission_order, ADMISSION_ORDERS)
         _one_of("admission_gate", self.admission_gate, ADMISSION_GATE_MODES)
         _fractions("state_checkpoint_floor", self.floor_fractions)
@@ -159,8 +154,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         if self.state_checkpoint_slots is not None:
-            _non_negative("state_checkpoint_slots", self.state_checkpoint_slots)
-        _non_negative("stats_log_interval", self.stats_log_interval)
+            check_non_negative("state_checkpoint_slots", self.state_checkpoint_slots)
+        check_non_negative("stats_log_interval", self.stats_log_interval)
 
 
 def server_defaults() -> Settings:
@@ -173,50 +168,6 @@ def replay_defaults() -> Settings:
     """The replay planner's settings before its ATOM_* variables: no cold
     ladder, no floors, no gate, no periodic stats."""
     return Settings(PlacementConfig(), ServerConfig(admission_gate="off", floor_fractions=()))
-
-
-@dataclass(frozen=True)
-class ReplayPoolConfig:
-    """The replay planner's pools: KV blocks and state slots apart."""
-
-    block_size: int = 16
-    num_kv_blocks: int = 1024
-    max_num_seqs: int = 8
-    num_spec: int = 0
-    # on top of max_num_seqs * (1 + num_spec); None: DEFAULT_HEADROOM_PER_SEQ each
-    state_checkpoint_slots: Optional[int] = None
-    successor_room: int = 1
-    # KV tokens one checkpoint's bytes would hold (0: unknown; core/pool_budget.py)
-    checkpoint_kv_tokens: int = 0
-    interior_states_readable: bool = False
-    stats_log_interval: int = 0
-    strict_stats: bool = False      # raise on a stats nesting violation
-    # a free state at every block: attention-only with this KV (the ceiling)
-    kv_only_ceiling: bool = False
-    placement: PlacementConfig = field(default_factory=PlacementConfig)
-
-    @property
-    def live_slots(self) -> int:
-        return self.max_num_seqs * (1 + self.num_spec)
-
-    @property
-    def num_state_slots(self) -> int:
-        return self.live_slots + self.state_checkpoint_slots
-
-    def __post_init__(self) -> None:
-        if self.state_checkpoint_slots is None and isinstance(self.max_num_seqs, int):
-            object.__setattr__(self, "state_checkpoint_slots",
-                               DEFAULT_HEADROOM_PER_SEQ * self.max_num_seqs)
-        _positive("block_size", self.block_size)
-        if self.num_kv_blocks < 2:
-            raise ConfigError("num_kv_blocks must be >= 2 (block 0 is the null block), "
-                              f"got {self.num_kv_blocks}")
-        _positive("max_num_seqs", self.max_num_seqs)
-        _non_negative("num_spec", self.num_spec)
-        _non_negative("state_checkpoint_slots", self.state_checkpoint_slots)
-        _positive("successor_room", self.successor_room)
-        _non_negative("checkpoint_kv_tokens", self.checkpoint_kv_tokens)
-        _non_negative("stats_log_interval", self.stats_log_interval)
 
 
 # -- environment ---------------------------------------------------------

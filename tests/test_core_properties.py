@@ -28,7 +28,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule, run_state_machine_as_test)
 
-from atom_hybrid_cache.config import ReplayPoolConfig, PlacementConfig
+from atom_hybrid_cache.config import PlacementConfig
+from atom_hybrid_cache.core.replay_pool_config import ReplayPoolConfig
 from atom_hybrid_cache.core.hashing import ROOT_PARENT, hash_block, hash_blocks, split_full_blocks
 from atom_hybrid_cache.core.kv_pool import NULL_BLOCK
 from atom_hybrid_cache.core.manager import HybridCacheManager, Request

@@ -11,8 +11,8 @@ import logging
 
 import pytest
 
-from atom_hybrid_cache.config import (ConfigError, PlacementConfig, ReplayPoolConfig, Settings,
-                                      apply_env)
+from atom_hybrid_cache.config import ConfigError, PlacementConfig, Settings, apply_env
+from atom_hybrid_cache.core.replay_pool_config import ReplayPoolConfig
 from atom_hybrid_cache.core.hashing import ROOT_PARENT, hash_block, hash_blocks, split_full_blocks
 from atom_hybrid_cache.core.manager import HybridCacheManager, Request
 from atom_hybrid_cache.core.stats import NestingError

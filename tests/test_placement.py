@@ -203,7 +203,8 @@ def test_a_slot_share_under_32_checkpoints_keeps_no_cold_checkpoints():
 
 
 def test_the_core_manager_drops_an_unaffordable_cold_checkpoints_and_says_so():
-    from atom_hybrid_cache.config import PlacementConfig, ReplayPoolConfig
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.replay_pool_config import ReplayPoolConfig
     from atom_hybrid_cache.core.manager import HybridCacheManager
     said = []
     cold = PlacementConfig(cold_fractions=(0.5, 0.875))

@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..config import ReplayPoolConfig
+from .replay_pool_config import ReplayPoolConfig
 from .hashing import ROOT_PARENT
 from .kinds import GUESS_KINDS, PROTECTED_KINDS, CheckpointKind
 from .kv_pool import KVBlockPool

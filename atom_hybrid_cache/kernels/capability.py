@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional, Sequence
 
-from ..config import ReplayPoolConfig
+from ..core.replay_pool_config import ReplayPoolConfig
 from .state_checkpoint import CheckpointWrites
 
 # Whether the kernels of this package can produce the exact state of a

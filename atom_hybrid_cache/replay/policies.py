@@ -26,7 +26,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from ..config import ReplayPoolConfig, PlacementConfig
+from ..config import PlacementConfig
+from ..core.replay_pool_config import ReplayPoolConfig
 
 POLICY_NAMES = ("default", "separate-pools", "kv-only-ceiling", "no-state-cache", "ladder-8192",
                 "simple", "vllm-align")

@@ -8,8 +8,9 @@ import sys
 import time
 from typing import Optional
 
-from ..config import DEFAULT_HEADROOM_PER_SEQ, PlacementConfig, load_settings, server_defaults
+from ..config import PlacementConfig, load_settings, server_defaults
 from ..core.manager import HybridCacheManager, Request
+from ..core.replay_pool_config import DEFAULT_HEADROOM_PER_SEQ
 from ..core.shared_pool_manager import SharedPoolManager
 from ..core.shared_pool_shape import SharedPoolShape
 from .policies import PolicySpec, build_policies, parse_policy_names

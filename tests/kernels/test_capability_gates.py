@@ -18,7 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from atom_hybrid_cache.config import PlacementConfig, ReplayPoolConfig  # noqa: E402
+from atom_hybrid_cache.config import PlacementConfig  # noqa: E402
+from atom_hybrid_cache.core.replay_pool_config import ReplayPoolConfig  # noqa: E402
 from atom_hybrid_cache.core.hashing import hash_blocks, split_full_blocks  # noqa: E402
 from atom_hybrid_cache.core.manager import HybridCacheManager, Request  # noqa: E402
 from atom_hybrid_cache.kernels.capability import (CheckpointGates, PrefillRow,  # noqa: E402
