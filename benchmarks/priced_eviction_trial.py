@@ -48,7 +48,8 @@ FIRST = float("-inf")
 
 class PricedFreeOrder:
     """The free pages of a `PagePool`, in the operations it uses on its
-    OrderedDict: the page with the smallest key is handed out first."""
+    OrderedDict (len, set, delete, move_to_end, popitem): the page with the
+    smallest key is handed out first."""
 
     def __init__(self, pages, weight: float, clock: bool) -> None:
         self.weight = weight
@@ -63,12 +64,6 @@ class PricedFreeOrder:
 
     def __len__(self) -> int:
         return len(self._key)
-
-    def __contains__(self, page: int) -> bool:
-        return page in self._key
-
-    def __iter__(self):
-        return iter(sorted(self._key, key=self._key.__getitem__))
 
     def _push(self, page: int, key: tuple) -> None:
         self._key[page] = key
