@@ -79,6 +79,9 @@ class PlacementConfig:
     anchor: bool = True
     anchor_margin_tokens: int = 1
     eviction: str = "reuse-aware"
+    # None: auto (core/priced_eviction.py: priced where a request slot's
+    # share of the pool is under 32 checkpoints' worth)
+    eviction_price_weight: Optional[float] = None
     cut_backoffs: tuple = (0.03, 0.15, 0.4)
     fallback_fractions: tuple = (0.5, 0.85)
     # On release, the highest state at or below each of these fractions of
@@ -107,6 +110,10 @@ class PlacementConfig:
                               f"(no ladder), got {self.interval_tokens!r}")
         check_non_negative("state_checkpoint_anchor_margin", self.anchor_margin_tokens)
         _one_of("state_checkpoint_eviction", self.eviction, EVICTION_POLICIES)
+        w = self.eviction_price_weight
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, float))
+                              or not 0 <= w < float("inf")):
+            raise ConfigError(f"eviction_price_weight must be auto or a number >= 0, got {w!r}")
         for f in self.cut_backoffs:
             if not 0.0 <= f < 1.0:
                 raise ConfigError(f"state_checkpoint_cut_backoff fractions must be in [0, 1), "
@@ -185,6 +192,10 @@ _parse_int = _parse_number(int, "an integer")
 _parse_float = _parse_number(float, "a number")
 
 
+def _parse_auto_or_float(var: str, raw: str) -> Optional[float]:
+    return None if raw.strip() in ("", "auto") else _parse_float(var, raw)
+
+
 def _parse_switch(var: str, raw: str) -> bool:
     if raw.strip() not in ("0", "1"):
         raise ConfigError(f"{var}={raw!r} must be 1 (on) or 0 (off)")
@@ -224,6 +235,12 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "placement", "eviction", _parse_choice(EVICTION_POLICIES),
         "reuse-aware (a freed request's states leave in units with their KV, from the top) "
         "or lru"),
+    "ATOM_EVICTION_PRICE_WEIGHT": (
+        "placement", "eviction_price_weight", _parse_auto_or_float,
+        "with reuse-aware eviction: a freed unit whose loss would cost a resume every token of "
+        "its pages stays this many times the pool's pages longer in the free queue, a cheaper "
+        "unit in proportion; 0: vLLM's FIFO order; auto (the default): 0.25 where a request "
+        "slot's share of the pool holds fewer than 32 checkpoints' worth, else 0"),
     "ATOM_STATE_CHECKPOINT_ANCHOR_MARGIN": (
         "placement", "anchor_margin_tokens", _parse_int,
         "tokens at a prompt's end assumed to change when the client appends"),

@@ -35,33 +35,57 @@ def _cached(mod, convs, w, multiple, block, policies):
     return pages, {p: mod.planner_cached(p, convs, pages, block, 4) for p in policies}
 
 
-def test_the_elided_workload_at_0_83(agreement, monkeypatch):
-    """63 pages, 20 checkpoints' worth: the gate on (the default), no
-    floors; 15,808 with the gate off (plugin-ungated)."""
+# Each point with vLLM's FIFO free order (ATOM_EVICTION_PRICE_WEIGHT=0) and
+# priced (0.25); the default (auto) prices where a request slot's share of
+# the pool is under 32 checkpoints' worth: the elided workload and the two
+# sweep cells, not the scaled workload (50 a slot). vLLM's scheduler gives
+# the same (tests/e2e/test_scheduler_only_replay.py).
+FIFO = {"elided": {"native": 13_184, "plugin": 14_720, "plugin-ungated": 15_808},
+        "scaled": {"native": 702_944, "plugin": 804_736},
+        (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 242_752},
+        (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 321_920}}
+PRICED = {"elided": {"native": 13_184, "plugin": 15_936, "plugin-ungated": 15_616},
+          "scaled": {"native": 702_944, "plugin": 813_888},
+          (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_736},
+          (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 355_840}}
+AUTO_PRICED = {"elided", (1, 30, 1.0), (2, 30, 0.83)}
+
+
+@pytest.fixture(params=["auto", "0", "0.25"])
+def expected(request, monkeypatch):
+    """{point: cached tokens} under ATOM_EVICTION_PRICE_WEIGHT=param."""
     monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
+    monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", request.param)
+    if request.param == "auto":
+        return {k: (PRICED if k in AUTO_PRICED else FIFO)[k] for k in FIFO}
+    return FIFO if request.param == "0" else PRICED
+
+
+def test_the_elided_workload_at_0_83(agreement, expected):
+    """63 pages, 20 checkpoints' worth: the gate on (the default), no
+    floors; plugin-ungated with the gate off."""
     E = agreement.E
     convs = E.build_workload(E.resolve_trace_paths(None), 2000)
     w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
     pages, got = _cached(agreement, convs, w, 0.83, E.BLOCK_SIZE,
                          ("native", "plugin", "plugin-ungated"))
     assert pages == 63
-    assert got == {"native": 13_184, "plugin": 14_720, "plugin-ungated": 15_808}
+    assert got == expected["elided"]
 
 
-def test_the_scaled_workload_at_0_83(agreement, monkeypatch):
+def test_the_scaled_workload_at_0_83(agreement, expected):
     """599 pages of 32 tokens, 199 checkpoints' worth: the server's gate and
     floors on. Without them modelled the planner kept 782,368 for the
     plugin; without vLLM's align split rule (a chunk is cut to whole pages
     unless a page exceeds the step) and its remove_skipped_blocks before
     the room check, 734,208 for native."""
-    monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
     E = agreement.E
     convs = E.build_workload(E.traces_fitting(64000), 0, tokens_per_id=8)
     block = E.GEOMETRIES["small-block"]["block_size"]
     w = E.lockstep_workload(convs, 4, block)
     pages, got = _cached(agreement, convs, w, 0.83, block, ("native", "plugin"))
     assert (pages, agreement.checkpoints_worth(pages, block)) == (599, 199)
-    assert got == {"native": 702_944, "plugin": 804_736}
+    assert got == expected["scaled"]
 
 
 # Two cells of benchmarks/small_pool_sweep.py (subset, checkpoints' worth,
@@ -74,17 +98,16 @@ def test_the_scaled_workload_at_0_83(agreement, monkeypatch):
 # copy, and the adapter planning only a chunk vLLM's split gives tokens to
 # (keeping that plan while the request waits), it was 2.1 points off for
 # native-pmu64 and 2.3 for the plugin in the second cell.
-SWEEP_CELLS = {(1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 242_752},
-               (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 321_920}}
+SWEEP_CELLS = [(1, 30, 1.0), (2, 30, 0.83)]
 
 
-def test_a_hash_unit_inside_the_page(agreement, monkeypatch):
-    monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
+def test_a_hash_unit_inside_the_page(agreement, expected):
     spec = importlib.util.spec_from_file_location("small_pool_sweep",
                                                   BENCH / "small_pool_sweep.py")
     sweep = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sweep)
-    for (subset, checkpoints, multiple), want in SWEEP_CELLS.items():
+    for subset, checkpoints, multiple in SWEEP_CELLS:
+        want = expected[(subset, checkpoints, multiple)]
         convs, w, pool, in_flight = sweep.cell_workload(subset, checkpoints, multiple)
         cell = dict(pool_pages=pool, in_flight=in_flight)
         got = {p: sweep.planner_cached(p, convs, w, cell) for p in want}

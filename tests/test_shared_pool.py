@@ -30,7 +30,7 @@ def test_free_order_is_vllms():
     pool.index_page(a, 100)
     pool.index_page(c, 300)
     pool.free([a, b, c, d])           # b, d uncached: reused first
-    assert list(pool._free) == [b, d, 5, a, c]
+    assert pool.free_order.in_order() == [b, d, 5, a, c]
     assert pool.allocate(4) == [b, d, 5, a]
     assert pool.lookup(100) is None and pool.lookup(300) == c
 
@@ -81,7 +81,7 @@ def test_release_in_units_order():
     mgr = _manager(11)
     assert _serve(mgr, _request("a", A)) == 0
     assert mgr.writes == 2
-    assert list(mgr.pool._free) == [7, 8, 9, 10, 6, 5, 4, 3, 2, 1]
+    assert mgr.pool.free_order.in_order() == [7, 8, 9, 10, 6, 5, 4, 3, 2, 1]
 
 
 def test_without_the_retained_state_it_ages_alone():
@@ -89,7 +89,7 @@ def test_without_the_retained_state_it_ages_alone():
     freed it, older than every KV page of its prefix."""
     mgr = _manager(11, dataclasses.replace(SPAN_ONLY, retain_fractions=()))
     _serve(mgr, _request("a", A))
-    assert list(mgr.pool._free) == [7, 8, 9, 10, 3, 6, 5, 4, 2, 1]
+    assert mgr.pool.free_order.in_order() == [7, 8, 9, 10, 3, 6, 5, 4, 2, 1]
 
 
 def test_a_cut_falls_back_to_the_lower_unit():
@@ -199,9 +199,9 @@ def test_no_whole_page_past_the_hit_no_admission():
     no reference, so the step's allocations may still evict them."""
     mgr = _manager(11, step_tokens=16)
     _serve(mgr, _request("a", A))
-    free = list(mgr.pool._free)
+    free = mgr.pool.free_order.in_order()
     assert mgr.admit(_request("b", B), 3) is None
-    assert list(mgr.pool._free) == free and mgr.planner.plans.get("b") is None
+    assert mgr.pool.free_order.in_order() == free and mgr.planner.plans.get("b") is None
     assert mgr.admit(_request("b", B), 8).hit_tokens == 32
 
 
@@ -292,7 +292,7 @@ def test_a_waiting_request_holds_its_floor_and_gives_it_back_in_its_units():
     mgr.prefill_done(b, 9)
     mgr.finish(b)
     assert floors.held == {} and floors.held_pages == 0 and mgr.pool.ref_cnt[3] == 0
-    assert list(mgr.pool._free)[-3:] == [3, 2, 1]
+    assert mgr.pool.free_order.in_order()[-3:] == [3, 2, 1]
 
 
 def test_an_overdue_request_takes_its_room_from_the_held_prefixes():

@@ -59,11 +59,18 @@ class FreedUnits(NamedTuple):
     above: list
     units: list
 
-    def order(self) -> list:
-        """The handles, first evicted first."""
+    def order(self, spans: Optional[list] = None) -> list:
+        """The handles, first evicted first; `spans` (a list), if given,
+        gets (start, stop, position) of each unit's slice of them, top
+        first, position None for the pages above every state."""
         out = self.uncached + [h for _, _, h in self.above]
+        if spans is not None:
+            spans.append((len(self.uncached), len(out), None))
         for unit in self.units:
+            start = len(out)
             out += unit.states + [h for _, _, h in unit.kv]
+            if spans is not None:
+                spans.append((start, len(out), unit.position))
         return out
 
 
@@ -112,15 +119,17 @@ def freed_units(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> Fre
                                            for u, pos in enumerate(tops)])
 
 
-def freed_order(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> list:
+def freed_order(states: Sequence[FreedState], kv: Sequence[KVPages] = (),
+                spans: Optional[list] = None) -> list:
     """`freed_units(states, kv).order()` without the units: what a release
     that keeps no record of them frees. With one KV group (the models this
     serves) no object is made per page: a long prompt frees hundreds of
     pages in the scheduler's step, and every tracked object made there
     brings Python's collector nearer, whose passes in a step cost
-    milliseconds (BENCHMARKS.md, "The slowest steps")."""
+    milliseconds (BENCHMARKS.md, "The slowest steps"). `spans`: as
+    `FreedUnits.order`'s."""
     if len(kv) != 1:
-        return freed_units(states, kv).order()
+        return freed_units(states, kv).order(spans)
     tops = sorted({b.position for b in states if b.cached}, reverse=True)
     run = kv[0]
     handles, cached = run.handles, run.cached
@@ -140,10 +149,16 @@ def freed_order(states: Sequence[FreedState], kv: Sequence[KVPages] = ()) -> lis
     for b in states:
         if b.cached:
             at.setdefault(b.position, []).append(b.handle)
+    start = len(out)
     out += pages[0]
+    if spans is not None:
+        spans.append((start, len(out), None))
     for u, pos in enumerate(tops):
+        start = len(out)
         out += at[pos]
         out += pages[u + 1]
+        if spans is not None:
+            spans.append((start, len(out), pos))
     return out
 
 

@@ -13,21 +13,54 @@ a page that may later hold a full block's hash too), and a key on several
 pages: two requests that computed the same block both index it, as vLLM
 does, so the content stays findable while either page holds it. Keys are
 opaque ints.
+
+With a price weight the plugin's free order is priced
+(`priced_eviction.PricedFreeOrder`, which the adapter puts in vLLM's
+`BlockPool`); without, vLLM's FIFO (`FifoFreeOrder`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
+
+from .priced_eviction import PricedFreeOrder
 
 NULL_PAGE = 0
 
 
+class FifoFreeOrder(OrderedDict):
+    """vLLM's free queue (`FreeKVCacheBlockQueue`), in the operations of
+    `PricedFreeOrder`: the head is handed out next."""
+
+    def push_front(self, pages: Sequence[int]) -> None:
+        for p in reversed(pages):
+            self[p] = None
+            self.move_to_end(p, last=False)
+
+    def push_back(self, pages: Sequence[int]) -> None:
+        for p in pages:
+            self[p] = None
+
+    def remove(self, page: int) -> None:
+        del self[page]
+
+    def pop_n(self, n: int) -> list[int]:
+        return [self.popitem(last=False)[0] for _ in range(n)]
+
+    def set_prices(self, pages, priced_spans) -> None:
+        """A FIFO ignores prices."""
+
+    def in_order(self) -> list[int]:
+        return list(self)
+
+
 class PagePool:
-    def __init__(self, num_pages: int, on_evict: Optional[Callable[[int], None]] = None) -> None:
+    def __init__(self, num_pages: int, on_evict: Optional[Callable[[int], None]] = None,
+                 price_weight: float = 0.0) -> None:
         """`num_pages`: vLLM's num_gpu_blocks, the null page included;
         `on_evict(key)`: an indexed key left the index because its page was
-        handed out again."""
+        handed out again; `price_weight` > 0: the priced free order."""
         if num_pages < 2:
             raise ValueError(f"a page pool needs at least 2 pages (page 0 is the null page), "
                              f"got {num_pages}")
@@ -36,14 +69,17 @@ class PagePool:
         self.page_keys: list[Optional[list]] = [None] * num_pages
         # key -> {page: None}, first indexed first
         self.index: dict[int, dict] = {}
-        # head: handed out next; free order is insertion order
-        self._free: OrderedDict[int, None] = OrderedDict((p, None) for p in range(1, num_pages))
+        # handed out next first
+        pages = range(1, num_pages)
+        self.priced = price_weight > 0
+        self.free_order = (PricedFreeOrder(num_pages, pages, price_weight) if price_weight > 0
+                           else FifoFreeOrder((p, None) for p in pages))
         self.on_evict = on_evict
         self.evicted_keys = 0
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self.free_order)
 
     def lookup(self, key: int) -> Optional[int]:
         """The first page indexed under `key` that still holds it, or None."""
@@ -53,14 +89,12 @@ class PagePool:
     def allocate(self, n: int) -> list[int]:
         """n pages from the head of the free queue, each with one reference;
         what they held leaves the index."""
-        if n > len(self._free):
-            raise MemoryError(f"page pool: asked for {n} pages, {len(self._free)} free")
-        out = []
-        for _ in range(n):
-            p, _ = self._free.popitem(last=False)
+        if n > len(self.free_order):
+            raise MemoryError(f"page pool: asked for {n} pages, {len(self.free_order)} free")
+        out = self.free_order.pop_n(n)
+        for p in out:
             self._drop_keys(p, evicted=True)
             self.ref_cnt[p] = 1
-            out.append(p)
         return out
 
     def touch(self, pages: Iterable[int]) -> None:
@@ -69,7 +103,7 @@ class PagePool:
         rc = self.ref_cnt
         for p in pages:
             if rc[p] == 0:
-                del self._free[p]
+                self.free_order.remove(p)
             rc[p] += 1
 
     def free(self, pages: Iterable[int]) -> None:
@@ -77,8 +111,8 @@ class PagePool:
         order given (first given, first evicted): those holding indexed
         content to the tail of the free queue, the others to its head."""
         rc = self.ref_cnt
-        free = self._free
         first = []
+        last = []
         for p in pages:
             if p == NULL_PAGE:
                 continue
@@ -90,10 +124,9 @@ class PagePool:
                 if self.page_keys[p] is None:
                     first.append(p)
                 else:
-                    free[p] = None
-        for p in reversed(first):
-            free[p] = None
-            free.move_to_end(p, last=False)
+                    last.append(p)
+        self.free_order.push_front(first)
+        self.free_order.push_back(last)
 
     def index_page(self, page: int, key: int) -> bool:
         """Index `page` under `key`; False when this page already holds it."""

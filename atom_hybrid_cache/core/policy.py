@@ -8,11 +8,13 @@ cannot afford dropped (`pool_budget`), the request's share of the pool.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 from ..config import PlacementConfig
 from .placement import CheckpointTargets, plan_checkpoints, snap_interval
 from .pool_budget import drop_unaffordable
+from .priced_eviction import resolved_weight
 
 
 class CheckpointPolicy:
@@ -37,6 +39,15 @@ class CheckpointPolicy:
         self.successor_room = successor_room
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"
+        # ATOM_EVICTION_PRICE_WEIGHT resolved for this pool (auto: priced
+        # where a slot's share is small); only a release in units prices
+        self.placement = dataclasses.replace(self.placement, eviction_price_weight=resolved_weight(
+            placement.eviction_price_weight, kv_share_tokens, checkpoint_kv_tokens)
+            if self.reuse_aware else 0.0)
+
+    @property
+    def eviction_price_weight(self) -> float:
+        return self.placement.eviction_price_weight
 
     def plan(self, prompt_len: int, *, hit: int, kv_reach: int,
              reusable: int) -> CheckpointTargets:

@@ -44,6 +44,7 @@ from .manager import Admission
 from .oracle import PrefixOracle
 from .page_pool import PagePool
 from .planner import CheckpointPlanner
+from .priced_eviction import pages_per_token
 from .shared_pool_held import HeldRequest
 from .shared_pool_index import SharedPoolIndex
 from .shared_pool_release import free_in_units, free_in_vllm_order
@@ -66,9 +67,14 @@ class SharedPoolManager:
         self.page = shape.page_tokens
         self.sub = shape.page_tokens // shape.hash_unit
         self.pps = shape.pages_per_state
-        self.pool = PagePool(shape.num_pages, on_evict=self._on_evict)
-        self.index = SharedPoolIndex(self.pool, shape.page_tokens, shape.hash_unit, self.pps)
         self.policy = shared_pool_policy(shape, placement, floor_fractions)
+        # the plugin's free order, priced where its policy says (vLLM's FIFO
+        # for native)
+        weight = self.policy.eviction_price_weight if plugin else 0.0
+        self.pool = PagePool(shape.num_pages, on_evict=self._on_evict,
+                             price_weight=pages_per_token(weight, shape.num_pages,
+                                                          shape.page_tokens))
+        self.index = SharedPoolIndex(self.pool, shape.page_tokens, shape.hash_unit, self.pps)
         self.planner = CheckpointPlanner(self.policy, hash_unit=shape.hash_unit,
                                          stats_log_interval=0) if plugin else None
         self.stats = CacheStats()

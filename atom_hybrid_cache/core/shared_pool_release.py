@@ -2,13 +2,15 @@
 as `vllm/release.py` runs it in vLLM: a finished request's pages go back to
 the one pool in units (`eviction.freed_order`): its states, the prompt-end
 state it held, its floors and the states at its hit and retain fractions
-(`eviction.refreshed_positions`), each with the KV below it, top first.
+(`eviction.refreshed_positions`), each with the KV below it, top first,
+priced where the pool's free order is (`priced_eviction`).
 Without the plugin, vLLM's own order: group by group, each tail first.
 """
 
 from __future__ import annotations
 
 from .eviction import FreedState, KVPages, freed_order, refreshed_positions
+from .priced_eviction import span_prices
 from .shared_pool_held import HeldRequest
 
 
@@ -63,7 +65,13 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
             taken.add(p)
             states.append(FreedState(p, pos, True, g))
     kv = KVPages(manager.page, held.kv, [pool.is_indexed(p) for p in held.kv])
-    pool.free(freed_order(states, [kv]))
+    if pool.priced:
+        spans: list = []
+        order = freed_order(states, [kv], spans)
+        pool.free_order.set_prices(order, span_prices(spans))
+        pool.free(order)
+    else:
+        pool.free(freed_order(states, [kv]))
     manager.planner.finished(req.request_id, hashes,
                              [pos for pos, _ in columns if pos is not None],
                              req.num_computed // manager.block_size)

@@ -5,8 +5,8 @@ defaults, and the help text that names them.
 The grid: the prefix-hash unit (the plugin's 64 tokens or vLLM's page), a
 state ladder, the cold checkpoints and the states a release retains (each
 setting the shared-pool model runs); then, around the best of those, the
-admission gate and the floor states, where the planner runs them
-(`planner_runs`). The admission order is not modelled. Each candidate's
+admission gate, the floor states and priced eviction, where the planner
+runs them (`planner_runs`). The admission order is not modelled. Each candidate's
 variables are parsed back through `config.load_settings` over the server's
 defaults, so what is printed is what a server would read.
 """
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from ..config import (ENV_VARS, MAX_HASH_UNIT_TOKENS, SERVER_ADMISSION_GATE,
                       SERVER_COLD_FRACTIONS, SERVER_FLOOR_FRACTIONS, Settings, load_settings,
                       server_defaults)
+from ..core.priced_eviction import AUTO_PRICE_WEIGHT
 from .policies import build_policies
 
 # The hash unit the plugin picks where `--prefix-match-unit` is unset
@@ -29,6 +30,7 @@ PAGE_UNIT = "page"
 
 # A rung every this many tokens: the ladder the replay's `ladder-8192` runs.
 LADDER_TOKENS = 8192
+
 
 
 def env_var(section: str, name: str) -> str:
@@ -54,6 +56,9 @@ HASH_UNITS = (PLUGIN_HASH_UNIT, PAGE_UNIT)
 SERVER_AXES = (
     ("gate", "server", "admission_gate", (SERVER_ADMISSION_GATE, "on", "off")),
     ("floor", "server", "floor_fractions", (SERVER_FLOOR_FRACTIONS, ())),
+    # priced eviction: auto (priced in small pools), off, on at any size
+    # (a candidate equal to auto in its pool runs once)
+    ("price", "placement", "eviction_price_weight", (None, 0.0, AUTO_PRICE_WEIGHT)),
 )
 
 # Server settings no stage sweeps: (section, field).
@@ -70,6 +75,8 @@ def planner_runs(section_field: tuple) -> bool:
 
     from ..core.shared_pool_manager import SharedPoolManager
     name = section_field[1]
+    if name == "eviction_price_weight":
+        return True          # the shared-pool model's page pool runs it
     if name == "floor_fractions":
         return hasattr(SharedPoolManager, "open_step")
     if name == "admission_gate":
@@ -83,7 +90,9 @@ GRID_HELP = (
     f"{env_var('placement', 'cold_fractions')} {{0.5,0.875, none}} x "
     f"{env_var('placement', 'retain_fractions')} {{0.5,0.75,0.875,0.94, none}}: 16 candidates; "
     f"(2) on the best of (1): {env_var('server', 'admission_gate')} {{auto, on, off}} x "
-    f"{env_var('server', 'floor_fractions')} {{0.25,0.5, none}}, where the planner models "
+    f"{env_var('server', 'floor_fractions')} {{0.25,0.5, none}} x "
+    f"{env_var('placement', 'eviction_price_weight')} {{auto, 0, {AUTO_PRICE_WEIGHT:g}}}, "
+    "where the planner models "
     "them (else left at default, and said so). The first value of each is the default. Not "
     "modelled, left at default: " + ", ".join(env_var(*f) for f in NEVER_SWEPT) + ".")
 

@@ -3,7 +3,8 @@
 `free_in_units` collects the request's pages from every KV cache group, the
 states the plugin held for it (prompt-end anchor, floors) and a few older
 states of its prefix (`core.eviction.refreshed_positions`), and frees them
-in the core's order (`core.eviction.eviction_order`).
+in the core's order (`core.eviction.eviction_order`), priced where vLLM's
+free queue is (`priced_free_queue.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from vllm.v1.kv_cache_interface import MambaSpec
 
 from ..core.eviction import FreedState, KVPages, freed_order, freed_units, refreshed_positions
+from ..core.priced_eviction import span_prices
 
 
 def free_in_units(sched, parts, request) -> None:
@@ -70,7 +72,10 @@ def free_in_units(sched, parts, request) -> None:
     # the store keeps a record of each unit; without it only the order is
     # needed (the same arithmetic, no object a page)
     freed = freed_units(states, kv) if parts.store is not None else None
-    order = freed.order() if freed is not None else freed_order(states, kv)
+    spans = [] if parts.priced_queue is not None else None
+    order = freed.order(spans) if freed is not None else freed_order(states, kv, spans)
+    if spans is not None:
+        parts.priced_queue.set_prices(order, span_prices(spans))
     unit = sched.hash_block_size
     planner.finished(rid, request.block_hashes, kept, request.num_computed_tokens // unit)
     if sched._request_blocks_can_be_freed(request):

@@ -17,12 +17,14 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings, server_defaults
 from ..core.gate_steps import gate_on
 from ..core.planner import CheckpointPlanner
+from ..core.priced_eviction import pages_per_token
 from ..core.policy import CheckpointPolicy
 from ..core.tail_price import describe_price
 from . import private_api
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
 from .finished_token_lists import FinishedTokenLists
+from .priced_free_queue import PricedFreeBlockQueue
 from .floor_states import FloorStates
 from .state_manager import AtomStateManager
 from .state_search import StateSearch
@@ -57,6 +59,8 @@ class SchedulerParts:
     verify_window_page_tokens: int = 0
     # released requests' token lists, freed a slice a step
     finished_lists: Optional[FinishedTokenLists] = None
+    # vLLM's free queue, priced (ATOM_EVICTION_PRICE_WEIGHT > 0), or None
+    priced_queue: Optional[PricedFreeBlockQueue] = None
 
 
 def build_parts(sched) -> SchedulerParts:
@@ -115,6 +119,8 @@ def build_parts(sched) -> SchedulerParts:
             private_api.EVICTION_ORDER),
         verify_window_page_tokens=window_page, finished_lists=FinishedTokenLists())
     planner.gate_on = parts.gate is not None
+    if parts.units_on_release and policy.eviction_price_weight > 0:
+        parts.priced_queue = _priced_queue(pool, policy.eviction_price_weight, block_size)
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)
         if policy.floor_fractions:
@@ -167,6 +173,28 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
     if mode == "auto" and policy is None:
         return None     # auto gates the pools whose states the plugin manages
     return AdmissionGate(stats)
+
+
+def _priced_queue(pool, setting: float, page_tokens: int) -> Optional[PricedFreeBlockQueue]:
+    """vLLM's free queue replaced by the priced one (before any block holds
+    indexed content), or None where vLLM's pool has another queue (public
+    names, so not in `private_api`; the class is checked instead)."""
+    queue = getattr(pool, "free_block_queue", None)
+    if type(queue).__name__ != "FreeKVCacheBlockQueue" or not hasattr(pool, "blocks"):
+        logger.warning("atom_hybrid_cache: vLLM's free block queue is a %s, not the "
+                       "FreeKVCacheBlockQueue this knows: priced eviction is off "
+                       "(vLLM's order runs)", type(queue).__name__)
+        return None
+    weight = pages_per_token(setting, pool.num_gpu_blocks, page_tokens)
+    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(), weight)
+    pool.free_block_queue = priced
+    logger.info("atom_hybrid_cache: priced eviction: a freed unit whose loss would cost a "
+                "resume every token of its pages stays %g pages (%g x the pool) longer in the "
+                "free queue, cheaper units less, KV above every state none "
+                "(ATOM_EVICTION_PRICE_WEIGHT=%g; auto: where a request slot's share of the pool "
+                "holds under 32 checkpoints' worth; 0: vLLM's FIFO)",
+                round(weight * page_tokens), setting, setting)
+    return priced
 
 
 def _pool_state(pool) -> dict:

@@ -22,13 +22,15 @@ import pytest
 
 POOL_MULTIPLE = 0.83
 
-# the same figures as the model runs (see the module docstring)
-# The server's admission gate (ATOM_ADMISSION_GATE=auto, on at every pool
-# size since 2026-12-03): 15,808 and 17,536 with hits-first with it off in
-# the elided workload's 63-page pool (the default there before;
-# plugin-ungated).
-ELIDED_CACHED = {"native-pmu64": 13_760, "plugin": 14_720, "plugin-hits-first": 17_664,
-                 "plugin-ungated": 15_808}
+# The elided workload's 63-page pool (20 checkpoints' worth, 4 in flight)
+# prices eviction by default (ATOM_EVICTION_PRICE_WEIGHT=auto); with vLLM's
+# FIFO order (=0), the figures of the model runs (see the module docstring):
+# ELIDED_FIFO. The server's admission gate (ATOM_ADMISSION_GATE=auto, on at
+# every pool size): plugin-ungated with it off.
+ELIDED_CACHED = {"native-pmu64": 13_760, "plugin": 15_936, "plugin-hits-first": 17_472,
+                 "plugin-ungated": 15_616}
+ELIDED_FIFO = {"native-pmu64": 13_760, "plugin": 14_720, "plugin-hits-first": 17_664,
+               "plugin-ungated": 15_808}
 SCALED_CACHED = {"native": 702_944, "plugin": 804_736}
 
 
@@ -134,7 +136,8 @@ ELIDED_PLUGIN_SPLIT = {"oracle": 20_099, "cached": 14_720, "kv_cut": 3_843,
 
 
 def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plugin_env,
-                                                            vllm_cpu_env, elided_workload):
+                                                            vllm_cpu_env, elided_workload,
+                                                            monkeypatch):
     import importlib.util
     import sys
     from pathlib import Path
@@ -149,6 +152,8 @@ def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plu
     E = pressure_bench
     convs, w = elided_workload
     nb = E.budget_blocks(POOL_MULTIPLE, w.working_set, w.single_request)
+    # (the split below pinned with vLLM's FIFO order)
+    monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0")
     tracer = LT.LossTracer(w.oracle)
     tracer.install()
     try:
@@ -158,7 +163,7 @@ def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plu
         tracer.uninstall()
     assert BlockPool._maybe_evict_cached_block is untraced_evict
     # the replay's own count, to the token, and one admission per request
-    assert sum(run["cached"]) == ELIDED_CACHED["plugin"]
+    assert sum(run["cached"]) == ELIDED_FIFO["plugin"]
     assert [a.hit for a in tracer.admissions] == run["cached"]
     split = LT.loss_split(tracer.admissions, page=E.BLOCK_SIZE)
     assert split == ELIDED_PLUGIN_SPLIT
@@ -178,9 +183,11 @@ def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plu
 # Two cells of benchmarks/small_pool_sweep.py (subset, checkpoints' worth,
 # pool / live): vLLM's default geometry, its 64-token hash unit inside
 # 128-token pages. The planner's model gives the same (pinned for it in
-# tests/test_planner_agreement.py).
-SWEEP_CELLS = {(1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 242_752},
-               (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 321_920}}
+# tests/test_planner_agreement.py). Priced eviction by default (a slot's
+# share under 32 checkpoints' worth); SWEEP_CELLS_FIFO with vLLM's order.
+SWEEP_CELLS = {(1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_736},
+               (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 355_840}}
+SWEEP_CELLS_FIFO = {(1, 30, 1.0): 242_752, (2, 30, 0.83): 321_920}
 
 
 def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env, vllm_cpu_env):
@@ -200,3 +207,28 @@ def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env,
                                sweep.GEOMETRY, scheduler_only=True, max_num_seqs=in_flight)
             got[policy] = sum(run["cached"])
         assert got == want, (subset, checkpoints, multiple)
+
+
+# With vLLM's FIFO free order (ATOM_EVICTION_PRICE_WEIGHT=0, the queue not
+# replaced): the planner's figures there too (tests/test_planner_agreement.py).
+def test_vllms_order_keeps_the_planners_figures(pressure_bench, plugin_env, vllm_cpu_env,
+                                                elided_workload, monkeypatch):
+    import importlib.util
+    from pathlib import Path
+    monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0")
+    E = pressure_bench
+    convs, w = elided_workload
+    nb = E.budget_blocks(POOL_MULTIPLE, w.working_set, w.single_request)
+    policies = ("plugin", "plugin-ungated")
+    got = {p: sum(E.run_policy(p, convs, w.rounds, nb, w.max_model_len,
+                               scheduler_only=True)["cached"]) for p in policies}
+    assert got == {p: ELIDED_FIFO[p] for p in policies}
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "small_pool_sweep.py"
+    spec = importlib.util.spec_from_file_location("small_pool_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    for (subset, checkpoints, multiple), want in SWEEP_CELLS_FIFO.items():
+        convs, w, pool, in_flight = sweep.cell_workload(subset, checkpoints, multiple)
+        run = E.run_policy("plugin", convs, w.rounds, pool + 1, w.max_model_len,
+                           sweep.GEOMETRY, scheduler_only=True, max_num_seqs=in_flight)
+        assert sum(run["cached"]) == want, (subset, checkpoints, multiple)

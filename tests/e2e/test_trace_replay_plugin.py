@@ -52,8 +52,10 @@ NATIVE_PMU64_CACHED = 13760
 # 15,744 before live requests held their prompt-end state. The server's
 # admission gate (auto) runs in this 63-page pool (20 checkpoints' worth)
 # since 2026-12-03: 15,808 with it off, the default here before
-# (test_scheduler_only_replay.py pins both; BENCHMARKS.md, "Small pools")
-PLUGIN_CACHED = 14720
+# (test_scheduler_only_replay.py pins both; BENCHMARKS.md, "Small pools").
+# Priced eviction (ATOM_EVICTION_PRICE_WEIGHT=auto, on in this pool): 14,720
+# with vLLM's FIFO free order.
+PLUGIN_CACHED = 15936
 # |logprob - caching off| of an output token: another chunking of the same
 # prompt moves it by up to 0.030 (bf16 activations); a zeroed state by 0.81.
 LOGPROB_TOL = 0.1
