@@ -158,6 +158,9 @@ def baseline(nb: int) -> dict:
 
 def run_store(bench, monkeypatch, env: dict, rounds=None, after_round=None, before=None) -> dict:
     E, convs, w, nb, model = bench
+    # the spill and load counts below are vLLM's FIFO free order's (priced
+    # eviction, on by default in a pool this small, is served elsewhere)
+    monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     kwargs = E.policy_kwargs("plugin-store")

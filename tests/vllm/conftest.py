@@ -32,6 +32,10 @@ def make_plugin_scheduler(monkeypatch):
     # serves it; a test unsets this before make() to get it).
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_COLD", "")
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_FLOOR", "")
+    # and vLLM's FIFO free order, whose positions the release tests read
+    # (priced eviction, on by default in a pool this small, is served by
+    # test_priced_free_queue.py)
+    monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0")
 
     def make(budget_gib: float = 2.5):
         built = SB.build_configs(policy, concurrency=2, budget_bytes=int(budget_gib * SB.GIB),
