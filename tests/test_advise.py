@@ -10,7 +10,8 @@ from atom_hybrid_cache.cli import add_advise_arguments, main
 from atom_hybrid_cache.config import load_settings, server_defaults
 from atom_hybrid_cache.replay.advise import Outcome, advise, choose, split_halves
 from atom_hybrid_cache.replay.advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, SERVER_AXES,
-                                                  Candidate, combinations, env_var, grid,
+                                                  Candidate, combinations, env_var,
+                                                  format_value, grid, planner_runs,
                                                   server_axes)
 from atom_hybrid_cache.replay.advise_output import format_advice, serve_line
 from atom_hybrid_cache.replay.geometry import geometry_from_args
@@ -186,3 +187,15 @@ def test_cli_defaults():
     a = parse(["--model", "qwen3-next-80b", "--memory-gib", "24"])
     assert (a.traces, a.model, a.memory_gib, a.concurrency, a.prefill_chunk, a.jobs) == \
         ([], "qwen3-next-80b", 24.0, 8, 8192, 2)
+
+
+def test_the_price_axis_prints_and_parses_as_a_server_reads_it():
+    """ATOM_EVICTION_PRICE_WEIGHT in advise's second stage: auto (the
+    default, unset), 0 and 0.25, each parsed back as the server parses it."""
+    axis = next(ax for ax in SERVER_AXES if ax[2] == "eviction_price_weight")
+    assert [format_value(v) for v in axis[3]] == ["auto", "0", "0.25"]
+    assert planner_runs((axis[1], axis[2]))
+    var = env_var(axis[1], axis[2])
+    weights = [Candidate(PLUGIN_HASH_UNIT, ((var, format_value(v)),)).settings()
+               .placement.eviction_price_weight for v in axis[3][1:]]
+    assert weights == [0.0, 0.25]

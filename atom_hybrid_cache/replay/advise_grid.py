@@ -98,9 +98,13 @@ GRID_HELP = (
 
 
 def format_value(value) -> str:
-    """A setting's value as its variable takes it."""
+    """A setting's value as its variable takes it (None: `auto`)."""
+    if value is None:
+        return "auto"
     if isinstance(value, tuple):
         return ",".join(f"{x:g}" for x in value)
+    if isinstance(value, float):
+        return f"{value:g}"
     return str(value)
 
 
