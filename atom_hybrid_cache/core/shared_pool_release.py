@@ -65,13 +65,11 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
             taken.add(p)
             states.append(FreedState(p, pos, True, g))
     kv = KVPages(manager.page, held.kv, [pool.is_indexed(p) for p in held.kv])
-    if pool.priced:
-        spans: list = []
-        order = freed_order(states, [kv], spans)
+    spans = [] if pool.priced else None
+    order = freed_order(states, [kv], spans)
+    if spans is not None:
         pool.free_order.set_prices(order, span_prices(spans))
-        pool.free(order)
-    else:
-        pool.free(freed_order(states, [kv]))
+    pool.free(order)
     manager.planner.finished(req.request_id, hashes,
                              [pos for pos, _ in columns if pos is not None],
                              req.num_computed // manager.block_size)
