@@ -13,7 +13,8 @@ from typing import Callable
 
 from ..config import PlacementConfig
 from .placement import CheckpointTargets, plan_checkpoints, snap_interval
-from .pool_budget import drop_unaffordable
+from .eviction import refreshed_positions
+from .pool_budget import drop_unaffordable, slot_under_minimum
 from .priced_eviction import resolved_weight
 
 
@@ -48,6 +49,19 @@ class CheckpointPolicy:
     @property
     def eviction_price_weight(self) -> float:
         return self.placement.eviction_price_weight
+
+    def refreshed_positions(self, hit: int, end: int) -> list[int]:
+        """Where a release of a request that resumed at `hit` and computed
+        `end` tokens takes older states back into its units
+        (`eviction.refreshed_positions`). Where a slot's share is under
+        MIN_SLOT_CHECKPOINTS checkpoints' worth the plugin hashes every 32
+        tokens (`core/hash_unit.py`), so a hit sits inside a page more
+        often, and a client that rewrites that page's tail resumes at the
+        page boundary under it: there the page boundary under a hit inside
+        a page is taken back too."""
+        page = self.block_size if slot_under_minimum(self.kv_share_tokens,
+                                                     self.checkpoint_kv_tokens) else 0
+        return refreshed_positions(hit, end, self.placement.retain_fractions, page)
 
     def plan(self, prompt_len: int, *, hit: int, kv_reach: int,
              reusable: int) -> CheckpointTargets:
