@@ -38,6 +38,10 @@ class CheckpointPolicy:
         self.pool_kv_tokens = pool_kv_tokens
         self.checkpoint_kv_tokens = checkpoint_kv_tokens
         self.successor_room = successor_room
+        # the page boundary under a mid-page hit, refreshed in small pools
+        # (`refreshed_positions`); 0: not
+        self._refresh_page = block_size if slot_under_minimum(
+            kv_share_tokens, checkpoint_kv_tokens) else 0
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"
         # ATOM_EVICTION_PRICE_WEIGHT resolved for this pool (auto: priced
@@ -59,9 +63,8 @@ class CheckpointPolicy:
         often, and a client that rewrites that page's tail resumes at the
         page boundary under it: there the page boundary under a hit inside
         a page is taken back too."""
-        page = self.block_size if slot_under_minimum(self.kv_share_tokens,
-                                                     self.checkpoint_kv_tokens) else 0
-        return refreshed_positions(hit, end, self.placement.retain_fractions, page)
+        return refreshed_positions(hit, end, self.placement.retain_fractions,
+                                   self._refresh_page)
 
     def plan(self, prompt_len: int, *, hit: int, kv_reach: int,
              reusable: int) -> CheckpointTargets:
