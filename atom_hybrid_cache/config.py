@@ -27,6 +27,11 @@ ADMISSION_GATE_MODES = ("off", "on", "auto")
 # Steps the admission gate may hold a request (vllm/admission_gate.py).
 ADMISSION_GATE_MAX_HOLD_STEPS = 32
 
+# The largest prefix-hash unit the plugin asks of vLLM where its
+# `--prefix-match-unit` is unset (vLLM's own is the state-page-sized block,
+# and a resume lands only on a unit boundary).
+MAX_HASH_UNIT_TOKENS = 64
+
 # The vLLM plugin's defaults where the replay planner's differ (its own state
 # slots lose with the cold checkpoints; floors hold pages of vLLM's shared pool):
 SERVER_STATS_LOG_INTERVAL = 100         # admissions between two stats reports

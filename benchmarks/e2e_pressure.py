@@ -6,7 +6,7 @@ caching keep when the KV pool cannot hold every live conversation?
 
 ``--policies plugin`` runs the same engine with atom_hybrid_cache enabled
 (``VLLM_PLUGINS=atom_hybrid_cache``, ``scheduler_cls=AtomScheduler``,
-the hash unit the plugin picks for the pool, defaults otherwise). ``plugin-hits-first`` adds
+``prefix_match_unit=64``, defaults otherwise). ``plugin-hits-first`` adds
 ``ATOM_ADMISSION_ORDER=hits-first``, ``plugin-interior`` adds
 ``ATOM_INTERIOR_CHECKPOINTS=on`` (checkpoints written inside prefill forwards
 instead of cutting chunks onto them), ``plugin-interior-hits-first`` both.
@@ -505,9 +505,7 @@ def policy_kwargs(policy: str, block_size: int = BLOCK_SIZE) -> dict[str, Any]:
             # prefixes hashed on the block, as vLLM's default does
             return {"prefix_match_unit": block_size,
                     "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
-        # no prefix_match_unit: the plugin picks its unit for the pool
-        # (vllm/registration.py plugin_hash_unit)
-        return {"scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
+        return {**fine_unit, "scheduler_cls": "atom_hybrid_cache.vllm.scheduler.AtomScheduler"}
     raise ValueError(f"unknown policy {policy!r}")
 
 

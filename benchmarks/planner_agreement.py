@@ -70,12 +70,11 @@ def planner_cached(policy: str, convs, num_pages: int, block: int, in_flight: in
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
     from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
-    from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape, default_hash_unit
+    from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 
     plugin = policy.startswith("plugin")
-    unit = (default_hash_unit(num_pages, block, STATE_GROUPS, in_flight) if plugin
-            else block)
+    unit = min(64, block) if plugin else block
     # e2e_pressure exports ATOM_ADMISSION_GATE for its gated policies (and
     # leaves it set): the gate is the policy's, else the server's default
     settings = load_settings(None, server_defaults(), environ={

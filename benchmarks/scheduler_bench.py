@@ -189,9 +189,6 @@ class Policy:
     plugin: bool = False
     # ATOM_* settings exported while the plugin's scheduler is built
     env: tuple = ()
-    # prefix_match_unit None and the plugin picks the unit for the pool, as
-    # vLLM's start-up asks it (registration.plugin_hash_unit)
-    plugin_unit: bool = False
 
 
 POLICIES: dict[str, Policy] = {
@@ -218,10 +215,8 @@ POLICIES: dict[str, Policy] = {
              ("ATOM_STATE_CHECKPOINT_FLOOR", ""))),
     # vLLM's default --block-size (native's block) and no --prefix-match-unit:
     # the hash unit the plugin then asks vLLM for (registration.
-    # plugin_hash_unit: 50, the largest divisor of 400 up to 64; 25 where a
-    # request slot's share is under 32 checkpoints' worth)
-    "plugin-default-block": Policy("plugin-default-block", None, None, plugin=True,
-                                   plugin_unit=True),
+    # plugin_hash_unit: 50, the largest divisor of 400 up to 64)
+    "plugin-default-block": Policy("plugin-default-block", None, 50, plugin=True),
     # the same with the unit the plugin asked for before 2026-12-02:
     # gcd(64, 400) = 16
     "plugin-default-block-unit16": Policy("plugin-default-block-unit16", None, 16, plugin=True),
@@ -422,9 +417,6 @@ def build_configs(policy: Policy, *, concurrency: int, budget_bytes: int,
     (kv_cfg,) = get_kv_cache_configs(vc, [specs], [budget_bytes])
     kv_cfg = generate_scheduler_kv_cache_config([kv_cfg])
     cc.num_gpu_blocks = kv_cfg.num_blocks
-    if policy.plugin_unit:
-        from atom_hybrid_cache.vllm.registration import plugin_hash_unit
-        cc.prefix_match_unit = plugin_hash_unit(kv_cfg, vc)
     sched_bs, hash_bs = resolve_kv_cache_block_sizes(kv_cfg, vc)
     kv_cfg.hash_block_size = hash_bs
     kv_cfg.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(kv_cfg, vc, sched_bs,

@@ -219,11 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# policy -> (hash unit, the plugin's placement and release) in the planner;
-# unit None: the page, PLUGIN_UNIT: the one the plugin picks for the pool
-PLUGIN_UNIT = "plugin"
+# policy -> (hash unit, the plugin's placement and release) in the planner
 PLANNER_POLICIES = {"native": (None, False), "native-pmu64": (64, False),
-                    "plugin": (PLUGIN_UNIT, True), "plugin-block-unit": (None, True)}
+                    "plugin": (64, True), "plugin-block-unit": (None, True)}
 
 
 def planner_cached(policy: str, convs, w, cell) -> int:
@@ -232,14 +230,11 @@ def planner_cached(policy: str, convs, w, cell) -> int:
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
     from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
-    from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape, default_hash_unit
+    from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 
     block = E.GEOMETRIES[GEOMETRY]["block_size"]
     unit, plugin = PLANNER_POLICIES[policy]
-    if unit == PLUGIN_UNIT:
-        unit = default_hash_unit(cell["pool_pages"] + 1, block, CHECKPOINT_PAGES,
-                                 cell["in_flight"])
     unit = unit or block
     settings = load_settings(None, server_defaults())
     shape = SharedPoolShape(num_pages=cell["pool_pages"] + 1, page_tokens=block, hash_unit=unit,

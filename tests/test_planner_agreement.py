@@ -38,20 +38,16 @@ def _cached(mod, convs, w, multiple, block, policies):
 # Each point with vLLM's FIFO free order (ATOM_EVICTION_PRICE_WEIGHT=0) and
 # priced (0.25); the default (auto) prices where a request slot's share of
 # the pool is under 32 checkpoints' worth: the elided workload and the two
-# sweep cells, not the scaled workload (50 a slot). In those three pools the
-# plugin hashes every 32 tokens and its release takes back the page
-# boundary under a hit inside a page, at either weight (core/hash_unit.py;
-# with the 64-token unit: elided 14,720 / 15,808 FIFO, 15,936 / 15,616
-# priced; the cells 242,752 and 321,920 FIFO, 244,736 and 355,840 priced).
-# vLLM's scheduler gives the same (tests/e2e/test_scheduler_only_replay.py).
-FIFO = {"elided": {"native": 13_184, "plugin": 14_176, "plugin-ungated": 13_056},
+# sweep cells, not the scaled workload (50 a slot). vLLM's scheduler gives
+# the same (tests/e2e/test_scheduler_only_replay.py).
+FIFO = {"elided": {"native": 13_184, "plugin": 14_720, "plugin-ungated": 15_808},
         "scaled": {"native": 702_944, "plugin": 804_736},
-        (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_512},
-        (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 321_824}}
-PRICED = {"elided": {"native": 13_184, "plugin": 15_648, "plugin-ungated": 14_272},
+        (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 242_752},
+        (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 321_920}}
+PRICED = {"elided": {"native": 13_184, "plugin": 15_936, "plugin-ungated": 15_616},
           "scaled": {"native": 702_944, "plugin": 813_888},
-          (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 245_824},
-          (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 354_560}}
+          (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_736},
+          (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 355_840}}
 AUTO_PRICED = {"elided", (1, 30, 1.0), (2, 30, 0.83)}
 
 
@@ -93,8 +89,8 @@ def test_the_scaled_workload_at_0_83(agreement, expected):
 
 
 # Two cells of benchmarks/small_pool_sweep.py (subset, checkpoints' worth,
-# pool / live), where the hash unit (native-pmu64's 64 tokens, the plugin's
-# 32) sits inside the 128-token pages: vLLM's real scheduler's cached tokens there, pinned for it in
+# pool / live), where vLLM's hash unit (64 tokens) sits inside its 128-token
+# pages: vLLM's real scheduler's cached tokens there, pinned for it in
 # tests/e2e/test_scheduler_only_replay.py. Before the planner modelled
 # vLLM's copies of a mid-page state (the running state's copy-on-write at
 # the next chunk, its source back to the LRU when schedule() ends, with a

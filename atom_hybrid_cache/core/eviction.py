@@ -172,17 +172,13 @@ def eviction_order(states: Sequence[FreedState], kv: Sequence[KVPages] = (),
     return freed_units(states, kv).order()
 
 
-def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float],
-                        page: int = 0) -> list[int]:
+def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float]) -> list[int]:
     """Where a release looks for older states of the prefix to take back
-    into its units: the state it resumed from (`hit`), with `page` the
-    page boundary under a hit inside a page, and, for each retain fraction,
-    the highest state at or below that fraction of `end` (the tokens it
-    computed). Older anchors beyond those are history and stay where their
-    own request left them in the LRU."""
+    into its units: the state it resumed from (`hit`) and, for each retain
+    fraction, the highest state at or below that fraction of `end` (the
+    tokens it computed). Older anchors beyond those are history and stay
+    where their own request left them in the LRU."""
     wanted = [hit] if hit else []
-    if page and hit > page and hit % page:
-        wanted.append(hit // page * page)
     return wanted + [int(end * f) for f in retain_fractions]
 
 

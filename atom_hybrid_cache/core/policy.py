@@ -13,8 +13,7 @@ from typing import Callable
 
 from ..config import PlacementConfig
 from .placement import CheckpointTargets, plan_checkpoints, snap_interval
-from .eviction import refreshed_positions
-from .pool_budget import drop_unaffordable, slot_under_minimum
+from .pool_budget import drop_unaffordable
 from .priced_eviction import resolved_weight
 
 
@@ -38,10 +37,6 @@ class CheckpointPolicy:
         self.pool_kv_tokens = pool_kv_tokens
         self.checkpoint_kv_tokens = checkpoint_kv_tokens
         self.successor_room = successor_room
-        # the page boundary under a mid-page hit, refreshed in small pools
-        # (`refreshed_positions`); 0: not
-        self._refresh_page = block_size if slot_under_minimum(
-            kv_share_tokens, checkpoint_kv_tokens) else 0
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"
         # ATOM_EVICTION_PRICE_WEIGHT resolved for this pool (auto: priced
@@ -53,18 +48,6 @@ class CheckpointPolicy:
     @property
     def eviction_price_weight(self) -> float:
         return self.placement.eviction_price_weight
-
-    def refreshed_positions(self, hit: int, end: int) -> list[int]:
-        """Where a release of a request that resumed at `hit` and computed
-        `end` tokens takes older states back into its units
-        (`eviction.refreshed_positions`). Where a slot's share is under
-        MIN_SLOT_CHECKPOINTS checkpoints' worth the plugin hashes every 32
-        tokens (`core/hash_unit.py`), so a hit sits inside a page more
-        often, and a client that rewrites that page's tail resumes at the
-        page boundary under it: there the page boundary under a hit inside
-        a page is taken back too."""
-        return refreshed_positions(hit, end, self.placement.retain_fractions,
-                                   self._refresh_page)
 
     def plan(self, prompt_len: int, *, hit: int, kv_reach: int,
              reusable: int) -> CheckpointTargets:

@@ -31,19 +31,6 @@ def pool_checkpoints(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> int:
     return pool_kv_tokens // checkpoint_kv_tokens if checkpoint_kv_tokens else 0
 
 
-def vllm_pool_shares(num_blocks: int, block_size: int, max_num_seqs: int,
-                     state_groups: int, kv_groups: int) -> tuple[int, int, int]:
-    """(a request slot's share of the KV pool, the pool's KV, one
-    checkpoint's cost), in tokens of KV, for vLLM's block pool of
-    `num_blocks` blocks of `block_size` tokens (one is vLLM's null block)
-    shared by `state_groups` state groups and `kv_groups` attention groups
-    (a block of KV holds a page of each attention group)."""
-    pages_per_block = max(1, kv_groups)
-    pool_tokens = (num_blocks - 1) * block_size
-    return (pool_tokens // max_num_seqs, pool_tokens // pages_per_block,
-            state_groups * block_size // pages_per_block)
-
-
 def slot_under_minimum(kv_share_tokens: int, checkpoint_kv_tokens: int) -> bool:
     """Whether one request slot's share of the pool (`kv_share_tokens` of
     KV) holds fewer than MIN_SLOT_CHECKPOINTS checkpoints of

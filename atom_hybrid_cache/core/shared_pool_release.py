@@ -2,14 +2,14 @@
 as `vllm/release.py` runs it in vLLM: a finished request's pages go back to
 the one pool in units (`eviction.freed_order`): its states, the prompt-end
 state it held, its floors and the states at its hit and retain fractions
-(`policy.refreshed_positions`), each with the KV below it, top first,
+(`eviction.refreshed_positions`), each with the KV below it, top first,
 priced where the pool's free order is (`priced_eviction`).
 Without the plugin, vLLM's own order: group by group, each tail first.
 """
 
 from __future__ import annotations
 
-from .eviction import FreedState, KVPages, freed_order
+from .eviction import FreedState, KVPages, freed_order, refreshed_positions
 from .priced_eviction import span_prices
 from .shared_pool_held import HeldRequest
 
@@ -45,7 +45,8 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
         states += [FreedState(p, pos, True, g) if pos is not None else FreedState(p, 0, False)
                    for g, p in enumerate(pages)]
         taken.update(pages)
-    wanted = manager.policy.refreshed_positions(held.hit, req.num_computed)
+    wanted = refreshed_positions(held.hit, req.num_computed,
+                                 manager.policy.placement.retain_fractions)
     if manager.window is not None:
         # floors held since the request entered the admission window go
         # back in its units (vllm/release.py); one in its own block table

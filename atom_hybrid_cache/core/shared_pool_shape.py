@@ -9,9 +9,7 @@ from dataclasses import dataclass
 
 from ..config import PlacementConfig
 from .kinds import CheckpointKind
-from .hash_unit import plugin_hash_unit
 from .policy import CheckpointPolicy
-from .pool_budget import vllm_pool_shares
 
 
 @dataclass(frozen=True)
@@ -68,19 +66,9 @@ def shared_pool_policy(shape: SharedPoolShape, placement: PlacementConfig,
                        floor_fractions: tuple = (), warn=lambda msg: None) -> CheckpointPolicy:
     """The plugin's policy for this pool, sized as `vllm/scheduler_setup.py`
     sizes it from vLLM's groups (one attention group)."""
-    kv_share, pool_tokens, checkpoint = vllm_pool_shares(
-        shape.num_pages, shape.page_tokens, shape.max_num_seqs, shape.pages_per_state, 1)
+    pool_tokens = (shape.num_pages - 1) * shape.page_tokens
     return CheckpointPolicy(
-        placement, block_size=shape.page_tokens, kv_share_tokens=kv_share,
-        pool_kv_tokens=pool_tokens, checkpoint_kv_tokens=checkpoint,
+        placement, block_size=shape.page_tokens,
+        kv_share_tokens=pool_tokens // shape.max_num_seqs, pool_kv_tokens=pool_tokens,
+        checkpoint_kv_tokens=shape.pages_per_state * shape.page_tokens,
         floor_fractions=floor_fractions, warn=warn, budget_warn=warn)
-
-
-def default_hash_unit(num_pages: int, page_tokens: int, pages_per_state: int,
-                      max_num_seqs: int) -> int:
-    """The hash unit the plugin asks vLLM for in this pool where
-    `--prefix-match-unit` is unset (`vllm/registration.py`, the same
-    arithmetic): the page itself where no finer unit divides it."""
-    kv_share, _, checkpoint = vllm_pool_shares(num_pages, page_tokens, max_num_seqs,
-                                               pages_per_state, 1)
-    return plugin_hash_unit([page_tokens], kv_share, checkpoint)

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 from ..config import Settings, load_settings
 from ..core.pool_budget import pool_checkpoints
-from ..core.shared_pool_shape import SharedPoolShape, default_hash_unit, shared_pool_policy
+from ..core.shared_pool_shape import SharedPoolShape, shared_pool_policy
 from .advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around, grid, planner_runs,
                           server_axes)
 from .policies import build_policies
@@ -59,7 +59,6 @@ class Advice:
     pool_checkpoints: int
     ceilings: tuple                    # the ceiling's hit rate: whole set, halves
     conversations: tuple               # conversations: whole set, halves
-    plugin_unit: int = 64              # the hash unit the plugin picks for this pool
 
 
 def split_halves(conversations: list) -> tuple[list, list]:
@@ -155,11 +154,7 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     page = layout.block_size_tokens
     pool_tokens = (layout.num_pages - 1) * page
     checkpoint_tokens = layout.pages_per_state_slot * page
-    # the plugin's own unit for this pool (32 tokens where a slot's share is
-    # under 32 checkpoints' worth), or the page
-    units = {PLUGIN_HASH_UNIT: default_hash_unit(layout.num_pages, page,
-                                                 layout.pages_per_state_slot, concurrency),
-             PAGE_UNIT: page}
+    units = {PLUGIN_HASH_UNIT: PLUGIN_HASH_UNIT, PAGE_UNIT: page}
     _WORKLOADS.clear()
     for s, convs in enumerate(subsets):
         for unit in set(units.values()):
@@ -200,9 +195,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     def run(cands: list, with_ceiling: bool) -> list:
         tasks, seen = [], set()
         if with_ceiling:
-            unit = units[PLUGIN_HASH_UNIT]
-            ceiling = spec("kv-only-ceiling", unit, Candidate(PLUGIN_HASH_UNIT).settings())
-            tasks += [((s, unit), ceiling, ("ceiling", s)) for s in range(3)]
+            ceiling = spec("kv-only-ceiling", PLUGIN_HASH_UNIT, Candidate(PLUGIN_HASH_UNIT).settings())
+            tasks += [((s, PLUGIN_HASH_UNIT), ceiling, ("ceiling", s)) for s in range(3)]
         keys = [effective(c) for c in cands]
         for c, key in zip(cands, keys):
             if key in hits or key in seen:
@@ -224,5 +218,4 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     best, gain, noise = choose(outcomes)
     return Advice(outcomes, next(o for o in outcomes if o.candidate.is_default), best, gain,
                   noise, page, layout.num_pages, pool_checkpoints(pool_tokens, checkpoint_tokens),
-                  tuple(hits["ceiling"]), tuple(len(x) for x in subsets),
-                  units[PLUGIN_HASH_UNIT])
+                  tuple(hits["ceiling"]), tuple(len(x) for x in subsets))

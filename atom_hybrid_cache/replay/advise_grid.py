@@ -16,17 +16,15 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from ..config import (ENV_VARS, SERVER_ADMISSION_GATE, SERVER_COLD_FRACTIONS,
-                      SERVER_FLOOR_FRACTIONS, Settings, load_settings, server_defaults)
-from ..core.hash_unit import MAX_HASH_UNIT_TOKENS
+from ..config import (ENV_VARS, MAX_HASH_UNIT_TOKENS, SERVER_ADMISSION_GATE,
+                      SERVER_COLD_FRACTIONS, SERVER_FLOOR_FRACTIONS, Settings, load_settings,
+                      server_defaults)
 from ..core.priced_eviction import AUTO_PRICE_WEIGHT
 from .policies import build_policies
 
-# The candidates' key for the hash unit the plugin picks where
-# `--prefix-match-unit` is unset (`core/hash_unit.py`: the largest unit up to
-# 64 tokens that divides the page, 32 where a request slot's share is under
-# 32 checkpoints' worth; the planner's pages are multiples of 64); `advise`
-# resolves it for the pool.
+# The hash unit the plugin picks where `--prefix-match-unit` is unset
+# (vllm/registration.py plugin_hash_unit: the largest unit up to 64 that
+# divides the page, and the planner's pages are multiples of 64).
 PLUGIN_HASH_UNIT = MAX_HASH_UNIT_TOKENS
 PAGE_UNIT = "page"
 
@@ -87,8 +85,7 @@ def planner_runs(section_field: tuple) -> bool:
 
 
 GRID_HELP = (
-    f"(1) hash unit {{the plugin's ({PLUGIN_HASH_UNIT}, or 32 where a request slot's share is "
-    "under 32 checkpoints' worth), the page (--prefix-match-unit PAGE)} x "
+    f"(1) hash unit {{{PLUGIN_HASH_UNIT} (the plugin's), the page (--prefix-match-unit PAGE)}} x "
     f"{env_var('placement', 'interval_tokens')} {{-1 (no ladder), {LADDER_TOKENS}}} x "
     f"{env_var('placement', 'cold_fractions')} {{0.5,0.875, none}} x "
     f"{env_var('placement', 'retain_fractions')} {{0.5,0.75,0.875,0.94, none}}: 16 candidates; "

@@ -12,7 +12,7 @@ import time
 from ..config import ENV_VARS, server_defaults
 from ..core.pool_budget import MIN_SLOT_CHECKPOINTS
 from .advise import MIN_GAIN, Advice, Outcome, advise
-from .advise_grid import (NEVER_SWEPT, PAGE_UNIT, PLACEMENT_AXES, SERVER_AXES,
+from .advise_grid import (NEVER_SWEPT, PAGE_UNIT, PLACEMENT_AXES, PLUGIN_HASH_UNIT, SERVER_AXES,
                           Candidate, env_var, format_value, planner_runs)
 
 # Hugging Face names of the geometry presets, for the printed serve line.
@@ -55,7 +55,7 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
     for o in a.outcomes:
         env = dict(o.candidate.env)
         cells = [str(a.page_tokens) if o.candidate.hash_unit == PAGE_UNIT
-                 else f"{a.plugin_unit} *"]
+                 else f"{PLUGIN_HASH_UNIT} *"]
         for _, section, name, values in axes:
             raw = env.get(env_var(section, name))
             cells.append(("none" if raw == "" else raw) if raw is not None

@@ -21,8 +21,7 @@ import os
 import sys
 from typing import Optional
 
-from ..core.hash_unit import describe_limit, plugin_hash_unit as core_hash_unit
-from ..core.pool_budget import vllm_pool_shares
+from ..config import MAX_HASH_UNIT_TOKENS
 from . import private_api
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -38,9 +37,8 @@ PATCHES: tuple = (
     ("vllm.config.scheduler.SchedulerConfig.get_scheduler_cls: AtomScheduler "
      "(AtomAsyncScheduler with async scheduling) where --scheduler-cls is unset", "0.32.0"),
     ("vllm.v1.core.kv_cache_utils.resolve_kv_cache_block_sizes (and vllm.v1.engine.core's "
-     "binding): prefix hashes on the largest divisor of the block up to 64 tokens (32 "
-     "where a request slot's share of the pool is under 32 checkpoints' worth) on models "
-     "with our state groups where --prefix-match-unit is unset", "0.32.0"),
+     "binding): prefix hashes on the largest divisor of the block up to 64 tokens "
+     "on models with our state groups where --prefix-match-unit is unset", "0.32.0"),
     ("vllm.v1.worker.gpu_model_runner.GPUModelRunner._get_mamba_state_copy_funcs, "
      "_get_mamba_bufs, _update_states_after_model_execute: whole-page copies and no fused "
      "speculative copy kernels where the runner's state groups are ReplaySSM pages "
@@ -173,10 +171,8 @@ def default_scheduler_class() -> None:
 def plugin_hash_unit(kv_cache_config, vllm_config) -> Optional[int]:
     """The prefix-hash unit the plugin asks for this engine (None: vLLM's):
     with `--prefix-match-unit` unset, align mode and our state groups,
-    `core.hash_unit.plugin_hash_unit` of the prefix-cacheable groups' block
-    sizes in this pool (32 tokens at most where a request slot's share is
-    under 32 checkpoints' worth, else 64), where finer than vLLM's default
-    (their GCD)."""
+    `largest_unit_dividing` the prefix-cacheable groups' block sizes up to
+    MAX_HASH_UNIT_TOKENS, where finer than vLLM's default (their GCD)."""
     from vllm.v1.kv_cache_interface import MambaSpec, iter_layer_specs
 
     from .spec import AtomGDNSpec
@@ -193,18 +189,17 @@ def plugin_hash_unit(kv_cache_config, vllm_config) -> Optional[int]:
         return None
     specs = [g.kv_cache_spec for g in groups]
     sizes = [s.block_size for s in specs if s.prefix_cacheable] or [s.block_size for s in specs]
-    state_specs = [s for s in specs if isinstance(s, MambaSpec)]
-    kv_share, _, checkpoint = vllm_pool_shares(
-        kv_cache_config.num_blocks, state_specs[0].block_size if state_specs else sizes[0],
-        vllm_config.scheduler_config.max_num_seqs, len(state_specs),
-        len(specs) - len(state_specs))
-    speculative = vllm_config.speculative_config is not None
-    unit = core_hash_unit(sizes, kv_share, checkpoint, speculative)
-    if unit >= math.gcd(*sizes):
-        return None
-    logger.info("atom_hybrid_cache: prefix-hash unit %s",
-                describe_limit(kv_share, checkpoint, speculative))
-    return unit
+    unit = largest_unit_dividing(sizes, MAX_HASH_UNIT_TOKENS)
+    return unit if unit < math.gcd(*sizes) else None
+
+
+def largest_unit_dividing(block_sizes, limit: int) -> int:
+    """The largest number of tokens, at most `limit`, that divides every
+    block size (vLLM's rule): 64 for 128- or 448-token blocks, 50 for 400.
+    Each unit boundary is a hash the scheduler computes, stores and walks,
+    so the largest keeps resumes within `limit` tokens with the fewest."""
+    g = math.gcd(*block_sizes)
+    return max(d for d in range(1, min(limit, g) + 1) if g % d == 0)
 
 
 @functools.cache

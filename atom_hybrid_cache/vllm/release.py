@@ -2,7 +2,7 @@
 
 `free_in_units` collects the request's pages from every KV cache group, the
 states the plugin held for it (prompt-end anchor, floors) and a few older
-states of its prefix (`core.policy.CheckpointPolicy.refreshed_positions`), and frees them
+states of its prefix (`core.eviction.refreshed_positions`), and frees them
 in the core's order (`core.eviction.eviction_order`), priced where vLLM's
 free queue is (`priced_free_queue.py`).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..core.eviction import FreedState, KVPages, freed_order, freed_units
+from ..core.eviction import FreedState, KVPages, freed_order, freed_units, refreshed_positions
 from ..core.priced_eviction import span_prices
 
 
@@ -171,8 +171,9 @@ def _refreshed_states(parts, request, held: set) -> list[FreedState]:
     request's KV in unit order (`refreshed_positions`): taken back from
     where the LRU holds them."""
     plan = parts.planner.plans.get(request.request_id)
-    wanted = parts.planner.policy.refreshed_positions(plan.hit if plan is not None else 0,
-                                                      request.num_computed_tokens)
+    wanted = refreshed_positions(plan.hit if plan is not None else 0,
+                                 request.num_computed_tokens,
+                                 parts.planner.policy.placement.retain_fractions)
     pool = parts.states.pool
     out = []
     for pos, blocks in parts.states.highest_at_or_below(request.block_hashes, wanted):

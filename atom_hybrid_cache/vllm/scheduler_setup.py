@@ -14,13 +14,11 @@ from typing import Optional
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..config import ADDITIONAL_CONFIG_KEY, load_settings, server_defaults
+from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings, server_defaults
 from ..core.gate_steps import gate_on
-from ..core.hash_unit import hash_unit_limit
 from ..core.planner import CheckpointPlanner
 from ..core.priced_eviction import pages_per_token
 from ..core.policy import CheckpointPolicy
-from ..core.pool_budget import vllm_pool_shares
 from ..core.tail_price import describe_price
 from . import private_api
 from .admission_gate import AdmissionGate
@@ -97,12 +95,13 @@ def build_parts(sched) -> SchedulerParts:
     num_blocks = pool.num_gpu_blocks
     kv_groups = [(g, m.block_size) for g, m in enumerate(managers)
                  if not isinstance(m.kv_cache_spec, MambaSpec)]
-    kv_share_tokens, pool_kv_tokens, checkpoint_kv_tokens = vllm_pool_shares(
-        num_blocks, block_size, sched.scheduler_config.max_num_seqs, len(state_groups),
-        len(kv_groups))
+    pages_per_block = max(1, len(kv_groups))
+    pool_tokens = (num_blocks - 1) * block_size
     policy = CheckpointPolicy(
-        settings.placement, block_size=block_size, kv_share_tokens=kv_share_tokens,
-        pool_kv_tokens=pool_kv_tokens, checkpoint_kv_tokens=checkpoint_kv_tokens,
+        settings.placement, block_size=block_size,
+        kv_share_tokens=pool_tokens // sched.scheduler_config.max_num_seqs,
+        pool_kv_tokens=pool_tokens // pages_per_block,
+        checkpoint_kv_tokens=len(state_groups) * block_size // pages_per_block,
         floor_fractions=settings.server.floor_fractions, warn=logger.warning,
         budget_warn=lambda msg: logger.warning(f"atom_hybrid_cache: {msg}"))
     planner = CheckpointPlanner(
@@ -151,12 +150,10 @@ def build_parts(sched) -> SchedulerParts:
     price = describe_price(policy.checkpoint_kv_tokens, block_size, sched.hash_block_size)
     if price and policy.reuse_aware:
         logger.info("atom_hybrid_cache: %s", price)
-    limit = hash_unit_limit(kv_share_tokens, checkpoint_kv_tokens,
-                            sched.vllm_config.speculative_config is not None)
-    if sched.hash_block_size > limit:
+    if sched.hash_block_size > MAX_HASH_UNIT_TOKENS:
         logger.warning("atom_hybrid_cache: prefix hits land on %d-token boundaries; leave "
                        "--prefix-match-unit unset (the plugin then picks %d or a divisor "
-                       "of it in this pool) for finer hits", sched.hash_block_size, limit)
+                       "of it) for finer hits", sched.hash_block_size, MAX_HASH_UNIT_TOKENS)
     return parts
 
 

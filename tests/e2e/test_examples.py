@@ -35,10 +35,7 @@ from serving import (PROMPT_LEN, _cached_tokens, _complete, _long_prompt, _metri
 pytestmark = pytest.mark.slow
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-# the plugin's unit for the tiny model's 128-token block in the offline
-# example's engine: 32, its pool over vLLM's default max_num_seqs being under
-# 32 checkpoints' worth a slot (core/hash_unit.py)
-HASH_UNIT = 32
+HASH_UNIT = 64          # the plugin's unit for the tiny model's 128-token block
 
 
 @pytest.mark.parametrize("example", ["serve.sh", "serve_lmcache.sh", "replay_plot.sh"])

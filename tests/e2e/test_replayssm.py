@@ -219,12 +219,8 @@ def test_resumes_under_kv_pressure_match(make_llm, plugin_env, monkeypatch):
                                   ("replayssm", _oracle(3), True),
                                   ("replayssm, vLLM's manager steps", _oracle(3), False)):
         monkeypatch.setattr(AtomStateManager, "steady_shortcuts", shortcuts)
-        # one hash unit for all three (without speculation the plugin would
-        # hash this small pool every 32 tokens, with it every 64:
-        # core/hash_unit.py), so their hits compare
         llm = make_llm(dtype="float32", enable_prefix_caching=True, disable_log_stats=False,
-                       num_gpu_blocks_override=48, speculative_config=spec,
-                       prefix_match_unit=64)
+                       num_gpu_blocks_override=48, speculative_config=spec)
         outputs, hits[name] = rounds(llm)
         assert outputs == ref_outputs, name
         if spec is not None:

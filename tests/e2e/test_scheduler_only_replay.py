@@ -26,12 +26,11 @@ POOL_MULTIPLE = 0.83
 # prices eviction by default (ATOM_EVICTION_PRICE_WEIGHT=auto); with vLLM's
 # FIFO order (=0), the figures of the model runs (see the module docstring):
 # ELIDED_FIFO. The server's admission gate (ATOM_ADMISSION_GATE=auto, on at
-# every pool size): plugin-ungated with it off. The plugin hashes every 32
-# tokens in this pool (core/hash_unit.py; with 64: 15,936 / 17,472 / 15,616
-# priced, 14,720 / 15,808 FIFO).
-ELIDED_CACHED = {"native-pmu64": 13_760, "plugin": 15_648, "plugin-hits-first": 16_896,
-                 "plugin-ungated": 14_272}
-ELIDED_FIFO = {"native-pmu64": 13_760, "plugin": 14_176, "plugin-ungated": 13_056}
+# every pool size): plugin-ungated with it off.
+ELIDED_CACHED = {"native-pmu64": 13_760, "plugin": 15_936, "plugin-hits-first": 17_472,
+                 "plugin-ungated": 15_616}
+ELIDED_FIFO = {"native-pmu64": 13_760, "plugin": 14_720, "plugin-hits-first": 17_664,
+               "plugin-ungated": 15_808}
 SCALED_CACHED = {"native": 702_944, "plugin": 804_736}
 
 
@@ -131,9 +130,9 @@ def test_the_plan_workload_at_full_length(pressure_bench, plugin_env, vllm_cpu_e
 
 
 # benchmarks/loss_trace.py on the elided workload, plugin at 0.83x: where the
-# 20,099 - 14,176 tokens go (FIFO order), read where vLLM looks each request up
-ELIDED_PLUGIN_SPLIT = {"oracle": 20_099, "cached": 14_176, "kv_cut": 3_459,
-                       "states_missing": 3_072, "requests_missing_states": 5}
+# 20,099 - 15,808 tokens go, read where vLLM looks each request up
+ELIDED_PLUGIN_SPLIT = {"oracle": 20_099, "cached": 14_720, "kv_cut": 3_843,
+                       "states_missing": 2_048, "requests_missing_states": 4}
 
 
 def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plugin_env,
@@ -165,33 +164,30 @@ def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plu
     assert BlockPool._maybe_evict_cached_block is untraced_evict
     # the replay's own count, to the token, and one admission per request
     assert sum(run["cached"]) == ELIDED_FIFO["plugin"]
-    # (in the order sent: the gate may admit a round's requests in another)
-    assert [a.hit for a in sorted(tracer.admissions, key=lambda a: a.request)] == run["cached"]
+    assert [a.hit for a in tracer.admissions] == run["cached"]
     split = LT.loss_split(tracer.admissions, page=E.BLOCK_SIZE)
     assert split == ELIDED_PLUGIN_SPLIT
-    # the worst: conversation 0's sixth turn finds 1,024 tokens of KV and no
-    # state (with the 64-token unit: conversation 1's fifth, 896 tokens,
-    # its top units evicted the round before by a prefill the gate held
-    # until the others finished)
+    # the worst: a conversation's fifth turn finds 896 tokens of KV and no
+    # state (the round before, a prefill the gate held until the others
+    # finished evicted that conversation's top units; with the gate off the
+    # worst is conversation 0's sixth turn: 384 tokens of KV, no state)
     a = LT.worst(tracer.admissions, 1, page=E.BLOCK_SIZE)[0]
     assert (a.request, a.conversation, a.turn, a.kv_prefix, a.hit, a.states) == (
-        20, 0, 5, 1024, 0, ())
+        17, 1, 4, 896, 0, ())
     # (178, 114) before the inner prompt-end states were priced (core/tail_price.py):
     # a dropped one goes back uncached, and its pages are reused before the
-    # indexed ones they would have displaced; (182, 117) with the gate off;
-    # (199, 129) with the 64-token unit
-    assert (len(tracer.evictions), sum(e.state for e in tracer.evictions)) == (225, 138)
+    # indexed ones they would have displaced; (182, 117) with the gate off
+    assert (len(tracer.evictions), sum(e.state for e in tracer.evictions)) == (199, 129)
 
 
 # Two cells of benchmarks/small_pool_sweep.py (subset, checkpoints' worth,
-# pool / live): vLLM's default geometry, the hash unit (native-pmu64's 64
-# tokens, the plugin's 32) inside 128-token pages. The planner's model
-# gives the same (pinned for it in tests/test_planner_agreement.py).
-# Priced eviction by default (a slot's share under 32 checkpoints' worth);
-# SWEEP_CELLS_FIFO with vLLM's order.
-SWEEP_CELLS = {(1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 245_824},
-               (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 354_560}}
-SWEEP_CELLS_FIFO = {(1, 30, 1.0): 244_512, (2, 30, 0.83): 321_824}
+# pool / live): vLLM's default geometry, its 64-token hash unit inside
+# 128-token pages. The planner's model gives the same (pinned for it in
+# tests/test_planner_agreement.py). Priced eviction by default (a slot's
+# share under 32 checkpoints' worth); SWEEP_CELLS_FIFO with vLLM's order.
+SWEEP_CELLS = {(1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_736},
+               (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 355_840}}
+SWEEP_CELLS_FIFO = {(1, 30, 1.0): 242_752, (2, 30, 0.83): 321_920}
 
 
 def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env, vllm_cpu_env):

@@ -158,13 +158,12 @@ def baseline(nb: int) -> dict:
 
 def run_store(bench, monkeypatch, env: dict, rounds=None, after_round=None, before=None) -> dict:
     E, convs, w, nb, model = bench
-    # the spill and load counts below are vLLM's FIFO free order's at a
-    # 64-token hash unit (priced eviction and the 32-token unit, the
-    # defaults in a pool this small, are served elsewhere)
+    # the spill and load counts below are vLLM's FIFO free order's (priced
+    # eviction, on by default in a pool this small, is served elsewhere)
     monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0")
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    kwargs = {**E.policy_kwargs("plugin-store"), "prefix_match_unit": 64}
+    kwargs = E.policy_kwargs("plugin-store")
     llm = E.make_llm(model, nb, w.max_model_len, dtype="float32", **kwargs)
     try:
         if before is not None:

@@ -12,14 +12,11 @@ the plugin keeps 17,536: ``benchmarks/e2e_pressure.py``).
 
 Four engines: caching off, vLLM's native hybrid caching at its best setting
 (``prefix_match_unit=64``), the plugin (``VLLM_PLUGINS=atom_hybrid_cache``,
-``scheduler_cls=AtomScheduler``, its own hash unit: 32 tokens in this pool),
-and the plugin again with every GDN state page zeroed after each round.
-Asserted: the plugin's greedy outputs equal the caching-off outputs on
-every request but near-ties of caching off (top-2 margin <= NEAR_TIE), of
-which it flips at most one more than native does on the same CPU (its
-resumes land on other boundaries than native's 64-token ones, so its
-chunks round differently; on the AVX2-only EPYC of 2026-12-05, request 13
-flipped for the plugin beside native's 19), and the
+``scheduler_cls=AtomScheduler``, ``prefix_match_unit=64``), and the plugin
+again with every GDN state page zeroed after each round. Asserted: the
+plugin's greedy outputs equal the caching-off outputs on every request but
+near-ties of caching off (top-2 margin <= NEAR_TIE), of which it flips no
+more than native does on the same CPU (at least one allowed), and the
 logprob of each output token is within LOGPROB_TOL of caching off; its
 total ``num_cached_tokens`` is strictly above native's, pinned exactly (the
 runs are deterministic). On CPUs with AVX-512 every output was equal
@@ -57,9 +54,8 @@ NATIVE_PMU64_CACHED = 13760
 # since 2026-12-03: 15,808 with it off, the default here before
 # (test_scheduler_only_replay.py pins both; BENCHMARKS.md, "Small pools").
 # Priced eviction (ATOM_EVICTION_PRICE_WEIGHT=auto, on in this pool): 14,720
-# with vLLM's FIFO free order. The 32-token unit of a pool this small
-# (core/hash_unit.py): 15,648 (15,936 with the 64-token unit).
-PLUGIN_CACHED = 15648
+# with vLLM's FIFO free order.
+PLUGIN_CACHED = 15936
 # |logprob - caching off| of an output token: another chunking of the same
 # prompt moves it by up to 0.030 (bf16 activations); a zeroed state by 0.81.
 LOGPROB_TOL = 0.1
@@ -108,7 +104,7 @@ def test_plugin_beats_native_under_pressure_with_outputs_equal_to_off(make_llm, 
         flipped = [(j, off.margins[j]) for j in bad[run] if off.margins[j] > NEAR_TIE]
         assert not flipped, f"{run}: greedy output differs from caching off where it was decisive"
         assert gaps[run] <= LOGPROB_TOL, gaps
-    assert len(bad["plugin"]) <= len(bad["native-pmu64"]) + 1, bad
+    assert len(bad["plugin"]) <= max(1, len(bad["native-pmu64"])), bad
     # the checks above can fail: the same resumes from zeroed states
     assert results["plugin-zeroed-states"].cached == results["plugin"].cached
     assert len(bad["plugin-zeroed-states"]) >= 6, bad

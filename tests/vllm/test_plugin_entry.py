@@ -143,21 +143,18 @@ def test_enabled_plugin_makes_our_scheduler_the_default(monkeypatch, caplog):
 
 # -- the prefix-hash unit (registration.default_hash_unit) ----------
 
-def _hash_unit(block_size, prefix_match_unit, ours=True, budget_gib=16):
+def _hash_unit(block_size, prefix_match_unit, ours=True):
     """vLLM's (scheduler block, hash unit) for qwen3.5-27b-like geometry, as
     EngineCore resolves them (scheduler bench's build_configs, no model):
     `block_size` None is vLLM's default 16 (a 400-token hybrid block), 64
-    gives 448-token blocks; `ours` declares AtomGDNSpec state groups. Two
-    requests in flight: 16 GiB gives a slot 108 checkpoints' worth, 4 GiB
-    27 (under the 32 of `core/pool_budget.py`)."""
+    gives 448-token blocks; `ours` declares AtomGDNSpec state groups."""
     from scheduler_bench_module import load_scheduler_bench
 
     from atom_hybrid_cache.vllm.spec import AtomGDNSpec
 
     SB = load_scheduler_bench()
     built = SB.build_configs(SB.Policy("probe", block_size, prefix_match_unit),
-                             concurrency=2, budget_bytes=budget_gib * SB.GIB,
-                             max_model_len=32_768,
+                             concurrency=2, budget_bytes=4 * SB.GIB, max_model_len=32_768,
                              mamba_spec_cls=AtomGDNSpec if ours else None)
     return built.scheduler_block_size, built.hash_block_size
 
@@ -175,17 +172,10 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
         assert _hash_unit(None, None) == (400, 50)
         assert _hash_unit(64, None) == (448, 64)
-        # a small pool: a request slot's share under 32 checkpoints' worth
-        assert _hash_unit(None, None, budget_gib=4) == (400, 25)
-        assert _hash_unit(64, None, budget_gib=4) == (448, 32)
     from scheduler_bench_module import load_scheduler_bench
-    assert load_scheduler_bench().POLICIES["plugin-default-block"].plugin_unit
+    assert load_scheduler_bench().POLICIES["plugin-default-block"].prefix_match_unit == 50
     assert ("atom_hybrid_cache: prefix hashes every 64 tokens (vLLM's --prefix-match-unit "
             "is unset; blocks are 448 tokens)") in caplog.messages
-    assert "atom_hybrid_cache: prefix-hash unit at most 64 tokens" in caplog.messages
-    assert ("atom_hybrid_cache: prefix-hash unit at most 32 tokens, not 64: a request "
-            "slot's share of the KV pool (32,400 tokens) holds 27 checkpoints' worth, "
-            "under 32") in caplog.messages
     # an explicit unit wins; vLLM's own state groups are not ours to change
     assert _hash_unit(64, 64) == (448, 64)
     assert _hash_unit(64, 448) == (448, 448)
@@ -205,7 +195,7 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
 
 
 def test_largest_unit_dividing_the_blocks():
-    from atom_hybrid_cache.core.hash_unit import largest_unit_dividing
+    from atom_hybrid_cache.vllm.registration import largest_unit_dividing
     assert largest_unit_dividing([400], 64) == 50
     assert largest_unit_dividing([448], 64) == 64
     assert largest_unit_dividing([128, 64], 64) == 64
