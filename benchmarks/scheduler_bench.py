@@ -58,7 +58,8 @@ Workload
   points).
 * Output length: the trace's ``out``, capped at ``--max-output`` (default 256)
   to bound the number of decode steps; at least 1.
-* Scheduler: ``max_num_seqs`` = C, ``max_num_batched_tokens`` 8,192 (the
+* Scheduler: ``max_num_seqs`` = C (``--max-num-seqs N``: N, as a server
+  left at vLLM's default of 128 to 1,024 runs), ``max_num_batched_tokens`` 8,192 (the
   replay's chunk and vLLM's online-serving default on GPU), chunked prefill,
   FCFS, prefix-caching hash ``sha256`` (vLLM's default), synchronous
   scheduling: the plain ``Scheduler``, ``schedule()`` then
@@ -362,10 +363,12 @@ class Built:
 
 
 def build_configs(policy: Policy, *, concurrency: int, budget_bytes: int,
+                  max_num_seqs: Optional[int] = None,
                   max_model_len: int = DEFAULT_MAX_MODEL_LEN,
                   max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
                   async_scheduling: bool = False, geom=None, mamba_spec_cls=None) -> Built:
-    """VllmConfig + KVCacheConfig for one policy, as EngineCore would build them."""
+    """VllmConfig + KVCacheConfig for one policy, as EngineCore would build them
+    (`max_num_seqs`: None, the concurrency)."""
     from vllm.config import CacheConfig, ModelConfig, SchedulerConfig, VllmConfig
     from vllm.v1.core.kv_cache_utils import (get_kv_cache_configs,
                                              generate_scheduler_kv_cache_config,
@@ -381,7 +384,7 @@ def build_configs(policy: Policy, *, concurrency: int, budget_bytes: int,
                                enable_prefix_caching=True, mamba_cache_mode="align",
                                prefix_match_unit=policy.prefix_match_unit,
                                prefix_cache_retention_interval=0)
-    scheduler_config = SchedulerConfig(max_num_seqs=concurrency,
+    scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs or concurrency,
                                        max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len, is_encoder_decoder=False,
                                        enable_chunked_prefill=True,
@@ -712,7 +715,7 @@ def run_points_interleaved(conversations: list, policies: list, **kwargs) -> lis
 
 def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, memory_gib: float,
                 max_model_len: int = DEFAULT_MAX_MODEL_LEN, max_output: int = DEFAULT_MAX_OUTPUT,
-                max_requests: Optional[int] = None,
+                max_requests: Optional[int] = None, max_num_seqs: Optional[int] = None,
                 max_num_batched_tokens: int = DEFAULT_MAX_BATCHED_TOKENS,
                 async_scheduling: bool = False, progress: bool = False,
                 log=None, profile_slowest: Optional[float] = None):
@@ -744,7 +747,7 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
         # Before the KV cache config is built: vLLM looks the managers up there.
         register_cache_manager()
     built = build_configs(policy, concurrency=concurrency, budget_bytes=budget,
-                          max_model_len=max_model_len,
+                          max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           max_num_batched_tokens=max_num_batched_tokens,
                           async_scheduling=async_scheduling, mamba_spec_cls=spec_cls)
     res.geometry = describe(built)
@@ -1096,6 +1099,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
                     help="context; longer requests are skipped (default: %(default)s)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_BATCHED_TOKENS)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM's max_num_seqs (default: the point's concurrency; a server "
+                         "left at vLLM's default runs 128 to 1,024)")
     ap.add_argument("--async-scheduling", action="store_true",
                     help="AsyncScheduler / AtomAsyncScheduler, driven as EngineCore's "
                          "batch queue of 2 does (default: the synchronous Scheduler)")
@@ -1129,7 +1135,7 @@ def main(argv=None) -> int:
     for conc, gib in args.points:
         common = dict(concurrency=conc, memory_gib=gib,
                       max_model_len=args.max_model_len, max_output=args.max_output,
-                      max_requests=args.max_requests,
+                      max_requests=args.max_requests, max_num_seqs=args.max_num_seqs,
                       max_num_batched_tokens=args.max_num_batched_tokens,
                       async_scheduling=args.async_scheduling,
                       profile_slowest=args.profile_slowest,
@@ -1162,6 +1168,7 @@ def main(argv=None) -> int:
                     max_requests=args.max_requests, max_output=args.max_output,
                     max_model_len=args.max_model_len,
                     max_num_batched_tokens=args.max_num_batched_tokens,
+                    max_num_seqs=args.max_num_seqs,
                     async_scheduling=args.async_scheduling, interleave=args.interleave,
                     profile_slowest=args.profile_slowest,
                     points=[f"c{c}:{g:g}" for c, g in args.points], policies=args.policies,

@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the replay planner's model of each policy (core/shared_pool_manager.py) "
                          "instead of vLLM's scheduler: seconds, exact where the model is "
                          "(BENCHMARKS.md, 'The planner against vLLM's scheduler')")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM's max_num_seqs (default: each cell's requests in flight; a "
+                         "server left at vLLM's default runs 128 to 1,024)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", metavar="JSON", default=None,
                     help="print an earlier run's --json as markdown tables, run nothing")
@@ -197,12 +200,13 @@ def main(argv: list[str] | None = None) -> int:
                     w.sent, w.oracle, [len(r) for r in w.rounds],
                     E.GEOMETRIES[GEOMETRY]["block_size"], cell["pool_pages"])
             elif args.planner:
-                cell["cached"][policy] = planner_cached(policy, convs, w, cell)
+                cell["cached"][policy] = planner_cached(policy, convs, w, cell,
+                                                        args.max_num_seqs)
             else:
                 # +1: vLLM's null block
                 run = E.run_policy(policy, convs, w.rounds, cell["pool_pages"] + 1,
                                    w.max_model_len, GEOMETRY, scheduler_only=True,
-                                   max_num_seqs=cell["in_flight"])
+                                   max_num_seqs=args.max_num_seqs or cell["in_flight"])
                 cell["cached"][policy] = sum(run["cached"])
             print(f"subset {cell['subset']} {cell['checkpoints']:>5} ckpt x{cell['multiple']:<5}"
                   f"({cell['real_multiple']:.2f}, {cell['tokens_per_id']}x{cell['in_flight']}) "
@@ -224,8 +228,9 @@ PLANNER_POLICIES = {"native": (None, False), "native-pmu64": (64, False),
                     "plugin": (64, True), "plugin-block-unit": (None, True)}
 
 
-def planner_cached(policy: str, convs, w, cell) -> int:
-    """The planner's cached tokens for `policy` in this cell."""
+def planner_cached(policy: str, convs, w, cell, max_num_seqs=None) -> int:
+    """The planner's cached tokens for `policy` in this cell (vLLM's
+    `max_num_seqs`: None, the cell's requests in flight)."""
     import planner_agreement as A
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
@@ -238,7 +243,8 @@ def planner_cached(policy: str, convs, w, cell) -> int:
     unit = unit or block
     settings = load_settings(None, server_defaults())
     shape = SharedPoolShape(num_pages=cell["pool_pages"] + 1, page_tokens=block, hash_unit=unit,
-                            pages_per_state=CHECKPOINT_PAGES, max_num_seqs=cell["in_flight"],
+                            pages_per_state=CHECKPOINT_PAGES,
+                            max_num_seqs=max_num_seqs or cell["in_flight"],
                             step_tokens=A.STEP_TOKENS)
     mgr = SharedPoolManager(shape, settings.placement,
                             floor_fractions=settings.server.floor_fractions, plugin=plugin,

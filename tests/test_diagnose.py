@@ -211,8 +211,9 @@ def test_the_planner_lines_are_what_diagnose_reads():
     from atom_hybrid_cache.config import PlacementConfig
     from atom_hybrid_cache.core.planner import CheckpointPlanner
     from atom_hybrid_cache.core.policy import CheckpointPolicy
-    policy = CheckpointPolicy(PlacementConfig(), block_size=128, kv_share_tokens=4096,
-                              pool_kv_tokens=0)
+    from atom_hybrid_cache.core.slot_share import SlotShare
+    policy = CheckpointPolicy(PlacementConfig(), block_size=128,
+                              share=SlotShare(4096, 0, 1, in_flight=1))
     p = CheckpointPlanner(policy, hash_unit=64, stats_log_interval=0,
                           pool_state=lambda: dict(pages=100, used=60, free=40))
     p.finished("old", [f"h{i}" for i in range(10)], [])

@@ -195,11 +195,18 @@ def test_no_cold_checkpoint_below_four_checkpoints_worth_of_kv():
 
 
 def test_a_slot_share_under_32_checkpoints_keeps_no_cold_checkpoints():
-    from atom_hybrid_cache.core.pool_budget import affordable_cold_fractions
-    assert affordable_cold_fractions((0.5, 0.875), 32 * 384, 384) == (0.5, 0.875)
-    assert affordable_cold_fractions((0.5, 0.875), 32 * 384 - 1, 384) == ()
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.policy import CheckpointPolicy
+    from atom_hybrid_cache.core.slot_share import SlotShare
+    cold = PlacementConfig(cold_fractions=(0.5, 0.875))
+
+    def kept(pool, ckpt):
+        return CheckpointPolicy(cold, block_size=128, share=SlotShare(pool, ckpt, 1, 1)
+                                ).placement.cold_fractions
+    assert kept(32 * 384, 384) == (0.5, 0.875)
+    assert kept(32 * 384 - 1, 384) == ()
     # a checkpoint of unknown cost: no limit
-    assert affordable_cold_fractions((0.5,), 10, 0) == (0.5,)
+    assert kept(10, 0) == (0.5, 0.875)
 
 
 def test_the_core_manager_drops_an_unaffordable_cold_checkpoints_and_says_so():
@@ -213,8 +220,8 @@ def test_the_core_manager_drops_an_unaffordable_cold_checkpoints_and_says_so():
     small = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=64, max_num_seqs=2, placement=cold,
                                                 checkpoint_kv_tokens=16), warn=said.append)
     assert small.policy.placement.cold_fractions == ()
-    assert said == ["cold checkpoints off: a request slot's share of the KV pool (504 tokens) "
-                    "holds 31 checkpoints' worth, under 32"]
+    assert said == ["cold checkpoints off: 2 requests in flight: a request slot's share of the "
+                    "KV pool (504 tokens) holds 31 checkpoints' worth, under 32"]
     roomy = HybridCacheManager(ReplayPoolConfig(num_kv_blocks=66, max_num_seqs=2, placement=cold,
                                                 checkpoint_kv_tokens=16), warn=said.append)
     assert roomy.policy.placement.cold_fractions == (0.5, 0.875) and len(said) == 1
@@ -222,19 +229,51 @@ def test_the_core_manager_drops_an_unaffordable_cold_checkpoints_and_says_so():
 
 def test_a_small_share_drops_the_floor_states_too_and_names_what_it_dropped():
     from atom_hybrid_cache.config import PlacementConfig
-    from atom_hybrid_cache.core.pool_budget import drop_unaffordable
+    from atom_hybrid_cache.core.policy import CheckpointPolicy
+    from atom_hybrid_cache.core.slot_share import SlotShare
     said = []
     cold = PlacementConfig(cold_fractions=(0.5,))
     floors = (0.25, 0.5)
-    assert drop_unaffordable(cold, floors, 32 * 384, 384, said.append) == (cold, floors)
+
+    def policy(pool, placement=cold):
+        return CheckpointPolicy(placement, block_size=128, share=SlotShare(pool, 384, 1, 1),
+                                floor_fractions=floors, budget_warn=said.append)
+    roomy = policy(32 * 384)
+    assert (roomy.placement.cold_fractions, roomy.floor_fractions) == ((0.5,), floors)
     assert said == []
-    small, small_floors = drop_unaffordable(cold, floors, 31 * 384, 384, said.append)
-    assert (small.cold_fractions, small_floors) == ((), ())
-    assert said == ["cold checkpoints and floor states off: a request slot's share of the KV "
-                    "pool (11,904 tokens) holds 31 checkpoints' worth, under 32"]
-    assert drop_unaffordable(PlacementConfig(), (0.5,), 10 * 384, 384, said.append)[1] == ()
-    assert said[-1].startswith("floor states off: a request slot's share of the KV pool "
-                               "(3,840 tokens)")
+    small = policy(31 * 384)
+    assert (small.placement.cold_fractions, small.floor_fractions) == ((), ())
+    assert said == ["cold checkpoints and floor states off: 1 request in flight: a request "
+                    "slot's share of the KV pool (11,904 tokens) holds 31 checkpoints' worth, "
+                    "under 32"]
+    assert policy(10 * 384, PlacementConfig()).floor_fractions == ()
+    assert said[-1].startswith("floor states off: 1 request in flight: a request slot's share "
+                               "of the KV pool (3,840 tokens)")
+
+
+def test_the_insurance_goes_off_at_the_step_whose_requests_in_flight_leave_a_small_share():
+    """vLLM's max_num_seqs is a ceiling (256 here): the share is the pool
+    over the requests in flight. 64 checkpoints' worth hold 32 a request
+    for two, 21 for three: the third request turns the cold checkpoints and
+    floors off, once, and the log names why."""
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.policy import CheckpointPolicy
+    from atom_hybrid_cache.core.slot_share import SlotShare
+    said = []
+    policy = CheckpointPolicy(PlacementConfig(cold_fractions=(0.5,)), block_size=128,
+                              share=SlotShare(64 * 384, 384, 256), floor_fractions=(0.25,),
+                              budget_warn=said.append)
+    assert policy.share.line() == 3
+    assert "cold checkpoints and floor states on up to 2 in flight; from 3" in \
+        policy.describe_share()
+    assert [policy.observe_in_flight(n) for n in (2, 1, 3, 5)] == [False, False, True, False]
+    assert (policy.placement.cold_fractions, policy.floor_fractions) == ((), ())
+    assert said == ["cold checkpoints and floor states off: 3 requests in flight: a request "
+                    "slot's share of the KV pool (8,192 tokens) holds 21 checkpoints' worth, "
+                    "under 32"]
+    # fallback rungs sit under the share the requests in flight leave
+    assert policy.kv_share_tokens == 64 * 384 // 5
+
 
 
 def test_a_warm_prompt_or_the_default_keeps_none():

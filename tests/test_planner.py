@@ -10,13 +10,14 @@ from atom_hybrid_cache.config import PlacementConfig, Settings, apply_env, repla
 from atom_hybrid_cache.core.eviction import FreedState, KVPages, eviction_order
 from atom_hybrid_cache.core.planner import CheckpointPlanner
 from atom_hybrid_cache.core.policy import CheckpointPolicy
+from atom_hybrid_cache.core.slot_share import SlotShare
 
 
 def make_planner(placement: PlacementConfig = PlacementConfig(), *, kv_share_tokens: int = 1984,
                  interior: bool = False, stats_log_interval: int = 0,
                  log=lambda m: None) -> CheckpointPlanner:
-    policy = CheckpointPolicy(placement, block_size=128, kv_share_tokens=kv_share_tokens,
-                              pool_kv_tokens=0)
+    policy = CheckpointPolicy(placement, block_size=128,
+                              share=SlotShare(kv_share_tokens, 0, 1, in_flight=1))
     return CheckpointPlanner(policy, hash_unit=64, stats_log_interval=stats_log_interval,
                              interior_readable=interior, log=log)
 

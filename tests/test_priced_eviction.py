@@ -13,6 +13,7 @@ from atom_hybrid_cache.config import ConfigError, load_settings, server_defaults
 from atom_hybrid_cache.core.eviction import FreedState, KVPages, freed_order, freed_units
 from atom_hybrid_cache.core.page_pool import FifoFreeOrder, PagePool
 from atom_hybrid_cache.core.policy import CheckpointPolicy
+from atom_hybrid_cache.core.slot_share import SlotShare
 from atom_hybrid_cache.core.priced_eviction import (PricedFreeOrder, pages_per_token,
                                                     resolved_weight, span_prices)
 
@@ -205,8 +206,25 @@ def test_auto_prices_where_a_slots_share_is_under_32_checkpoints():
     assert resolved_weight(0.5, 320 * 384, 384) == 0.5
     # the policy carries the resolved weight; lru eviction has no units to price
     placement = server_defaults().placement
-    small = dict(block_size=128, kv_share_tokens=31 * 384, pool_kv_tokens=124 * 384,
-                 checkpoint_kv_tokens=384)
-    assert CheckpointPolicy(placement, **small).eviction_price_weight == 0.25
+    def small():
+        return dict(block_size=128, share=SlotShare(124 * 384, 384, 4, in_flight=4))
+    assert CheckpointPolicy(placement, **small()).eviction_price_weight == 0.25
     assert CheckpointPolicy(dataclasses.replace(placement, eviction="lru"),
-                            **small).eviction_price_weight == 0.0
+                            **small()).eviction_price_weight == 0.0
+
+
+def test_auto_prices_from_the_step_whose_requests_in_flight_leave_a_small_share():
+    """124 checkpoints' worth, max_num_seqs 256: one request in flight holds
+    the whole pool, four hold 31 each (under 32), so the weight turns 0.25
+    at the step that sees a fourth, and stays when they leave."""
+    policy = CheckpointPolicy(server_defaults().placement, block_size=128,
+                              share=SlotShare(124 * 384, 384, 256))
+    assert policy.could_price() and policy.eviction_price_weight == 0.0
+    assert [policy.observe_in_flight(n) for n in (1, 3, 3, 4, 2, 8)] == [
+        False, False, False, True, False, False]
+    assert policy.eviction_price_weight == 0.25 and policy.kv_share_tokens == 8 * 744
+    # a pool whose share holds 32 checkpoints' worth at max_num_seqs never prices
+    roomy = CheckpointPolicy(server_defaults().placement, block_size=128,
+                             share=SlotShare(128 * 384, 384, 4))
+    assert not roomy.could_price()
+    assert not roomy.observe_in_flight(4) and roomy.eviction_price_weight == 0.0

@@ -8,6 +8,7 @@ import pytest
 from atom_hybrid_cache.config import PlacementConfig
 from atom_hybrid_cache.core.planner import CheckpointPlanner
 from atom_hybrid_cache.core.policy import CheckpointPolicy
+from atom_hybrid_cache.core.slot_share import SlotShare
 from atom_hybrid_cache.core.tail_price import KVCutRate, keeps_partial_tail
 
 
@@ -44,8 +45,8 @@ def test_an_inner_state_pays_while_its_gain_exceeds_its_pages_at_the_cut_rate(ga
 
 
 def _planner(block=128, groups=3):
-    policy = CheckpointPolicy(PlacementConfig(), block_size=block, kv_share_tokens=10_000,
-                              pool_kv_tokens=40_000, checkpoint_kv_tokens=groups * block)
+    policy = CheckpointPolicy(PlacementConfig(), block_size=block,
+                              share=SlotShare(40_000, groups * block, 4, in_flight=4))
     return CheckpointPlanner(policy, hash_unit=64, stats_log_interval=0)
 
 

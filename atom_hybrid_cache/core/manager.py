@@ -21,6 +21,7 @@ from .kv_pool import KVBlockPool
 from .oracle import PrefixOracle
 from .placement import CheckpointTargets, chunk_end, is_rung, ladder_positions, resume_cap_blocks
 from .policy import CheckpointPolicy
+from .slot_share import SlotShare
 from .state_pool import CheckpointInfo, StateSlotPool
 from .stats import CacheStats, format_stats_lines
 
@@ -83,8 +84,10 @@ class HybridCacheManager:
         p = cfg.placement
         pool_tokens = (cfg.num_kv_blocks - 1) * cfg.block_size
         self.policy = CheckpointPolicy(
-            p, block_size=cfg.block_size, kv_share_tokens=pool_tokens // cfg.max_num_seqs,
-            pool_kv_tokens=pool_tokens, checkpoint_kv_tokens=cfg.checkpoint_kv_tokens,
+            p, block_size=cfg.block_size,
+            # separate pools: every slot is counted in flight from the start
+            share=SlotShare(pool_tokens, cfg.checkpoint_kv_tokens, cfg.max_num_seqs,
+                            cfg.max_num_seqs),
             successor_room=cfg.successor_room, warn=warn)
         self.interval = self.policy.interval
         self.checkpointing = self.policy.checkpointing

@@ -57,10 +57,12 @@ class FifoFreeOrder(OrderedDict):
 
 class PagePool:
     def __init__(self, num_pages: int, on_evict: Optional[Callable[[int], None]] = None,
-                 price_weight: float = 0.0) -> None:
+                 price_weight: float = 0.0, priced: bool = False) -> None:
         """`num_pages`: vLLM's num_gpu_blocks, the null page included;
         `on_evict(key)`: an indexed key left the index because its page was
-        handed out again; `price_weight` > 0: the priced free order."""
+        handed out again; `price_weight` > 0 or `priced`: the priced free
+        order, at `price_weight` (0 until `set_price_weight`: the FIFO's
+        order)."""
         if num_pages < 2:
             raise ValueError(f"a page pool needs at least 2 pages (page 0 is the null page), "
                              f"got {num_pages}")
@@ -71,11 +73,25 @@ class PagePool:
         self.index: dict[int, dict] = {}
         # handed out next first
         pages = range(1, num_pages)
-        self.priced = price_weight > 0
-        self.free_order = (PricedFreeOrder(num_pages, pages, price_weight) if price_weight > 0
+        self.free_order = (PricedFreeOrder(num_pages, pages, price_weight)
+                           if priced or price_weight > 0
                            else FifoFreeOrder((p, None) for p in pages))
         self.on_evict = on_evict
         self.evicted_keys = 0
+
+    @property
+    def priced(self) -> bool:
+        """Whether a release's prices order the free pages now."""
+        return self.priced_order and self.free_order.weight > 0
+
+    @property
+    def priced_order(self) -> bool:
+        """Whether the free order is the priced one (at any weight)."""
+        return isinstance(self.free_order, PricedFreeOrder)
+
+    def set_price_weight(self, weight: float) -> None:
+        """The priced order's weight from now on (a pool built priced)."""
+        self.free_order.weight = weight
 
     @property
     def num_free(self) -> int:

@@ -2,8 +2,10 @@
 
 The replay's manager and the vLLM adapter's planner both build one and ask
 it where an admitted prompt leaves checkpoints, so the rule is the same
-code in both: the interval snapped to the block, cold checkpoints the pool
-cannot afford dropped (`pool_budget`), the request's share of the pool.
+code in both: the interval snapped to the block, and what a request slot's
+share of the pool (`slot_share`) affords: the cold checkpoints and floors
+where it holds enough (`pool_budget`), priced eviction where it does not,
+fallback rungs under the share.
 """
 
 from __future__ import annotations
@@ -13,37 +15,93 @@ from typing import Callable
 
 from ..config import PlacementConfig
 from .placement import CheckpointTargets, plan_checkpoints, snap_interval
-from .pool_budget import drop_unaffordable
+from .pool_budget import MIN_SLOT_CHECKPOINTS
 from .priced_eviction import resolved_weight
+from .slot_share import SlotShare
 
 
 class CheckpointPolicy:
-    def __init__(self, placement: PlacementConfig, *, block_size: int, kv_share_tokens: int,
-                 pool_kv_tokens: int, checkpoint_kv_tokens: int = 0, successor_room: int = 1,
-                 floor_fractions: tuple = (), warn: Callable[[str], None] = lambda msg: None,
+    def __init__(self, placement: PlacementConfig, *, block_size: int, share: SlotShare,
+                 successor_room: int = 1, floor_fractions: tuple = (),
+                 warn: Callable[[str], None] = lambda msg: None,
                  budget_warn: Callable[[str], None] = None) -> None:
-        """`kv_share_tokens`: one request slot's share of the KV pool;
-        `pool_kv_tokens`: the whole pool's KV tokens; `checkpoint_kv_tokens`:
-        how many tokens of KV one checkpoint's bytes would hold (0:
-        unknown); `floor_fractions`: the server's floor states, dropped
-        with the cold checkpoints where a slot's share cannot afford them
-        (`self.floor_fractions`). `warn` says what was snapped or dropped
-        (`budget_warn`, if given, what was dropped)."""
+        """`share`: a request slot's share of the KV pool, which the
+        scheduler's steps update (`observe_in_flight`); `floor_fractions`:
+        the server's floor states, held with the cold checkpoints while the
+        share affords them (`self.floor_fractions`). `warn` says what was
+        snapped or dropped (`budget_warn`, if given, what was dropped)."""
         self.interval = snap_interval(placement.interval_tokens, block_size, warn)
-        self.placement, self.floor_fractions = drop_unaffordable(
-            placement, floor_fractions, kv_share_tokens, checkpoint_kv_tokens, budget_warn or warn)
+        self.configured = placement
+        self.configured_floor_fractions = tuple(floor_fractions)
+        self.share = share
         self.block_size = block_size
-        self.kv_share_tokens = kv_share_tokens
-        self.pool_kv_tokens = pool_kv_tokens
-        self.checkpoint_kv_tokens = checkpoint_kv_tokens
         self.successor_room = successor_room
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"
-        # ATOM_EVICTION_PRICE_WEIGHT resolved for this pool (auto: priced
-        # where a slot's share is small); only a release in units prices
-        self.placement = dataclasses.replace(self.placement, eviction_price_weight=resolved_weight(
-            placement.eviction_price_weight, kv_share_tokens, checkpoint_kv_tokens)
-            if self.reuse_aware else 0.0)
+        self._budget_warn = budget_warn or warn
+        self._fit()
+        if share.under_line:
+            self._say_dropped(share.describe())
+
+    pool_kv_tokens = property(lambda self: self.share.pool_kv_tokens)
+    checkpoint_kv_tokens = property(lambda self: self.share.checkpoint_kv_tokens)
+    kv_share_tokens = property(lambda self: self.share.tokens)
+
+    def _fit(self) -> None:
+        """`placement` and `floor_fractions` for the share now: the cold
+        checkpoints and floors off under the line, ATOM_EVICTION_PRICE_WEIGHT
+        resolved (auto: priced under it; only a release in units prices)."""
+        under = self.share.under_line
+        placement = self.configured
+        if under:
+            placement = dataclasses.replace(placement, cold_fractions=())
+        weight = resolved_weight(placement.eviction_price_weight, self.share.tokens,
+                                 self.share.checkpoint_kv_tokens) if self.reuse_aware else 0.0
+        self.placement = dataclasses.replace(placement, eviction_price_weight=weight)
+        self.floor_fractions = () if under else self.configured_floor_fractions
+
+    def _say_dropped(self, why: str) -> None:
+        dropped = [name for name, on in (("cold checkpoints", self.configured.cold_fractions),
+                                         ("floor states", self.configured_floor_fractions)) if on]
+        if dropped:
+            self._budget_warn(f"{' and '.join(dropped)} off: {why}")
+
+    def observe_in_flight(self, in_flight: int) -> bool:
+        """Before a scheduler step, `in_flight` requests (running and
+        waiting) share the pool: whether the share just fell under the
+        line (then the placement, floors and price weight have changed,
+        and the log says so once)."""
+        if not self.share.observe(in_flight):
+            return False
+        self._fit()
+        self._say_dropped(self.share.describe())
+        return True
+
+    def could_price(self) -> bool:
+        """Whether eviction is priced at some number of requests in flight
+        up to max_num_seqs (where it is, the free order is built priced,
+        at weight 0 until then)."""
+        if not self.reuse_aware:
+            return False
+        at_most = SlotShare(self.share.pool_kv_tokens, self.share.checkpoint_kv_tokens,
+                            self.share.max_num_seqs, self.share.max_num_seqs)
+        return resolved_weight(self.configured.eviction_price_weight, at_most.tokens,
+                               at_most.checkpoint_kv_tokens) > 0 or self.eviction_price_weight > 0
+
+    def describe_share(self) -> str:
+        """The start-up log's account of what follows the requests in
+        flight."""
+        line, top = self.share.line(), self.share.max_num_seqs
+        head = ("a request slot's share of the KV pool is the pool over the most requests in "
+                f"flight at once (at most max_num_seqs={top})")
+        if line == 1:
+            return f"{head}: under {MIN_SLOT_CHECKPOINTS} checkpoints' worth at any number"
+        if not line:
+            return (f"{head}: at least {MIN_SLOT_CHECKPOINTS} checkpoints' worth up to "
+                    f"{top}, cold checkpoints and floor states stay on")
+        return (f"{head}: cold checkpoints and floor states on up to {line - 1} in flight; "
+                f"from {line} (a share under {MIN_SLOT_CHECKPOINTS} checkpoints' worth) off, "
+                f"and priced eviction on where ATOM_EVICTION_PRICE_WEIGHT is auto")
 
     @property
     def eviction_price_weight(self) -> float:

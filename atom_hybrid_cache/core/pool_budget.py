@@ -12,13 +12,11 @@ eighth of it. The line was a fixed pool of 100 checkpoints' worth; on the
 small-pool sweep (84 cells, 30 to 1000 checkpoints' worth, 2 to 8 in
 flight; BENCHMARKS.md, "Small pools") the slot share turns them off in the
 100-checkpoint cells run 4 and 8 in flight, where they cost up to 3.2
-points at 1.0x, and keeps them from 200 up, where they gain.
+points at 1.0x, and keeps them from 200 up, where they gain. The requests
+sharing the pool are those in flight, not `max_num_seqs` (`slot_share`).
 """
 
 from __future__ import annotations
-
-import dataclasses
-from typing import Callable
 
 # a request slot's share of the pool, in checkpoints' worth, from which the
 # insurance states (floors, cold checkpoints: four per slot) are an eighth
@@ -37,33 +35,3 @@ def slot_under_minimum(kv_share_tokens: int, checkpoint_kv_tokens: int) -> bool:
     `checkpoint_kv_tokens` (0: unknown, never under)."""
     return bool(checkpoint_kv_tokens) and (
         kv_share_tokens < MIN_SLOT_CHECKPOINTS * checkpoint_kv_tokens)
-
-
-def under_minimum_reason(kv_share_tokens: int, checkpoint_kv_tokens: int) -> str:
-    """The log's reason for going without: 'a request slot's share of the
-    KV pool (N tokens) holds M checkpoints' worth, under 32'."""
-    return (f"a request slot's share of the KV pool ({kv_share_tokens:,} tokens) holds "
-            f"{pool_checkpoints(kv_share_tokens, checkpoint_kv_tokens)} checkpoints' worth, "
-            f"under {MIN_SLOT_CHECKPOINTS}")
-
-
-def affordable_cold_fractions(fractions: tuple, kv_share_tokens: int,
-                              checkpoint_kv_tokens: int) -> tuple:
-    """`fractions`, or () where a slot's share is under the minimum."""
-    return () if slot_under_minimum(kv_share_tokens, checkpoint_kv_tokens) else fractions
-
-
-def drop_unaffordable(placement, floor_fractions: tuple, kv_share_tokens: int,
-                      checkpoint_kv_tokens: int, warn: Callable[[str], None]):
-    """(`placement`, `floor_fractions`) without the cold checkpoints and the
-    floor states where a slot's share cannot afford them, saying so
-    through `warn`."""
-    dropped = [name for name, fractions in (("cold checkpoints", placement.cold_fractions),
-                                            ("floor states", floor_fractions))
-               if fractions and not affordable_cold_fractions(fractions, kv_share_tokens,
-                                                              checkpoint_kv_tokens)]
-    if not dropped:
-        return placement, floor_fractions
-    warn(f"{' and '.join(dropped)} off: "
-         f"{under_minimum_reason(kv_share_tokens, checkpoint_kv_tokens)}")
-    return dataclasses.replace(placement, cold_fractions=()), ()

@@ -68,12 +68,11 @@ class SharedPoolManager:
         self.sub = shape.page_tokens // shape.hash_unit
         self.pps = shape.pages_per_state
         self.policy = shared_pool_policy(shape, placement, floor_fractions)
-        # the plugin's free order, priced where its policy says (vLLM's FIFO
-        # for native)
-        weight = self.policy.eviction_price_weight if plugin else 0.0
+        # the plugin's free order, priced where its policy may price (at the
+        # weight of the requests in flight, `open_step`); vLLM's FIFO for native
         self.pool = PagePool(shape.num_pages, on_evict=self._on_evict,
-                             price_weight=pages_per_token(weight, shape.num_pages,
-                                                          shape.page_tokens))
+                             price_weight=self._price_weight() if plugin else 0.0,
+                             priced=plugin and self.policy.could_price())
         self.index = SharedPoolIndex(self.pool, shape.page_tokens, shape.hash_unit, self.pps)
         self.planner = CheckpointPlanner(self.policy, hash_unit=shape.hash_unit,
                                          stats_log_interval=0) if plugin else None
@@ -92,7 +91,9 @@ class SharedPoolManager:
         # (vllm/scheduler_setup.py: floors with the reuse-aware release)
         self.window: Optional[SharedPoolWindow] = None
         if plugin:
-            floors = self.policy.floor_fractions if self.policy.reuse_aware else ()
+            # held while the share affords them (`policy.floor_fractions`)
+            floors = (self.policy.configured_floor_fractions
+                      if self.policy.reuse_aware and self.policy.share.line() != 1 else ())
             gate = gate_on(admission_gate)
             if gate and not shape.step_tokens:
                 raise ValueError("the admission gate's model needs the step's tokens "
@@ -110,10 +111,18 @@ class SharedPoolManager:
             self.evicted_states += 1
 
     # -- the step's admission window ------------------------------------
+    def _price_weight(self) -> float:
+        return pages_per_token(self.policy.eviction_price_weight, self.shape.num_pages,
+                               self.shape.page_tokens)
+
     def open_step(self, waiting: Sequence, running: Sequence) -> list:
         """Before a step (`waiting`, `running`: the requests, in vLLM's
-        order): the floors and the gate's pins; the waiting requests the
-        gate holds out of this step."""
+        order): the requests in flight sized the share (as
+        `vllm/scheduler.py` sizes it), then the floors and the gate's pins;
+        the waiting requests the gate holds out of this step."""
+        if self.plugin and self.policy.observe_in_flight(len(waiting) + len(running)) \
+                and self.pool.priced_order:
+            self.pool.set_price_weight(self._price_weight())
         return self.window.open(waiting, running) if self.window is not None else []
 
     def close_step(self, scheduled_tokens: int) -> None:

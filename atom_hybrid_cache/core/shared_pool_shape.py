@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..config import PlacementConfig
 from .kinds import CheckpointKind
 from .policy import CheckpointPolicy
+from .slot_share import SlotShare
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,13 @@ class SharedPoolShape:
 
 
 def shared_pool_policy(shape: SharedPoolShape, placement: PlacementConfig,
-                       floor_fractions: tuple = (), warn=lambda msg: None) -> CheckpointPolicy:
+                       floor_fractions: tuple = (), warn=lambda msg: None,
+                       in_flight: int = 0) -> CheckpointPolicy:
     """The plugin's policy for this pool, sized as `vllm/scheduler_setup.py`
-    sizes it from vLLM's groups (one attention group)."""
+    sizes it from vLLM's groups (one attention group); `in_flight`: the
+    requests already known to share it (0: none before the first step)."""
     pool_tokens = (shape.num_pages - 1) * shape.page_tokens
-    return CheckpointPolicy(
-        placement, block_size=shape.page_tokens,
-        kv_share_tokens=pool_tokens // shape.max_num_seqs, pool_kv_tokens=pool_tokens,
-        checkpoint_kv_tokens=shape.pages_per_state * shape.page_tokens,
-        floor_fractions=floor_fractions, warn=warn, budget_warn=warn)
+    share = SlotShare(pool_tokens, shape.pages_per_state * shape.page_tokens,
+                      shape.max_num_seqs, in_flight)
+    return CheckpointPolicy(placement, block_size=shape.page_tokens, share=share,
+                            floor_fractions=floor_fractions, warn=warn, budget_warn=warn)

@@ -47,7 +47,7 @@ class SharedPoolWindow:
         gate holds out of this step."""
         limit = self.manager.shape.max_num_seqs - len(running)
         window = list(waiting)[:max(0, limit)]
-        if self.floors is not None:
+        if self.floors is not None and self.manager.policy.floor_fractions:
             for req in window:
                 if req.request_id not in self.floors.held:
                     self._hold_floors(req)

@@ -183,7 +183,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
         shape = SharedPoolShape(num_pages=layout.num_pages, page_tokens=page, hash_unit=unit,
                                 pages_per_state=layout.pages_per_state_slot,
                                 max_num_seqs=concurrency)
-        policy = shared_pool_policy(shape, settings.placement, settings.server.floor_fractions)
+        policy = shared_pool_policy(shape, settings.placement, settings.server.floor_fractions,
+                                    in_flight=concurrency)
         gate = None
         if gate_runs:
             from ..core.gate_steps import gate_on

@@ -1,11 +1,29 @@
-"""Admission: a request's checkpoints are planned when vLLM first sizes its
-prefill chunk (`chunk_tokens`, from `_mamba_block_aligned_split`), each
-chunk ends on the next planned checkpoint, and the step's admissions are
+"""Admission: before each step the requests in flight size a request
+slot's share of the pool (`size_share`); a request's checkpoints are
+planned when vLLM first sizes its prefill chunk (`chunk_tokens`, from
+`_mamba_block_aligned_split`), each chunk ends on the next planned
+checkpoint, and the step's admissions are
 counted once vLLM has scheduled them (`after_schedule`). The plan itself is
 the core's (`CheckpointPlanner.plan`).
 """
 
 from __future__ import annotations
+
+from ..core.priced_eviction import pages_per_token
+
+
+def size_share(sched, parts) -> None:
+    """Before vLLM's step: the requests in flight (running and waiting, as
+    the planner counts them) size a request slot's share of the pool
+    (`core.slot_share`). Where it just fell under the line, the priced
+    queue takes the weight the policy now resolves."""
+    policy = parts.planner.policy
+    if not policy.observe_in_flight(len(sched.running) + len(sched.waiting)):
+        return
+    if parts.priced_queue is not None:
+        parts.priced_queue.order.weight = pages_per_token(
+            policy.eviction_price_weight, sched.kv_cache_manager.block_pool.num_gpu_blocks,
+            policy.block_size)
 
 
 def kv_prefix_tokens(pool, kv_groups, request, hash_unit: int, hit: int = 0) -> int:

@@ -72,7 +72,7 @@ def free_in_units(sched, parts, request) -> None:
     # the store keeps a record of each unit; without it only the order is
     # needed (the same arithmetic, no object a page)
     freed = freed_units(states, kv) if parts.store is not None else None
-    spans = [] if parts.priced_queue is not None else None
+    spans = [] if parts.priced_queue is not None and parts.priced_queue.order.weight > 0 else None
     order = freed.order(spans) if freed is not None else freed_order(states, kv, spans)
     if spans is not None:
         parts.priced_queue.set_prices(order, span_prices(spans))

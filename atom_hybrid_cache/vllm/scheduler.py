@@ -5,7 +5,8 @@ vLLM builds it where the plugin is enabled and `--scheduler-cls` is unset
 also selects it without the plugin (the admission gate for an
 attention-only model). It overrides five methods and nothing else:
 - `__init__`: set-up (`scheduler_setup.build_parts`);
-- `schedule`: admission. Before vLLM's step, floor states
+- `schedule`: admission. Before vLLM's step, the share the requests in
+  flight leave each (`admission.size_share`), floor states
   (`floor_states`), hits-first (`admission_order`) and the admission gate
   (`admission_gate`); after it, the step's accounting
   (`admission.after_schedule`) and a slice of the released requests'
@@ -74,7 +75,9 @@ class AtomSchedulerMixin:
         lookups = self.atom_lookups
         if lookups is not None:
             lookups.begin_step()
-        if parts.floors is not None:
+        if parts.planner is not None:
+            admission.size_share(self, parts)
+        if parts.floors is not None and parts.planner.policy.floor_fractions:
             # before the gate counts the free pages: a floor is not free
             parts.floors.hold_window(self)
         if parts.hits_first:

@@ -17,8 +17,9 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings, server_defaults
 from ..core.gate_steps import gate_on
 from ..core.planner import CheckpointPlanner
-from ..core.priced_eviction import pages_per_token
+from ..core.priced_eviction import AUTO_PRICE_WEIGHT, pages_per_token
 from ..core.policy import CheckpointPolicy
+from ..core.slot_share import SlotShare
 from ..core.tail_price import describe_price
 from . import private_api
 from .admission_gate import AdmissionGate
@@ -97,11 +98,12 @@ def build_parts(sched) -> SchedulerParts:
                  if not isinstance(m.kv_cache_spec, MambaSpec)]
     pages_per_block = max(1, len(kv_groups))
     pool_tokens = (num_blocks - 1) * block_size
+    # the share follows the requests in flight (`schedule` tells it each step)
+    share = SlotShare(pool_tokens // pages_per_block,
+                      len(state_groups) * block_size // pages_per_block,
+                      sched.scheduler_config.max_num_seqs)
     policy = CheckpointPolicy(
-        settings.placement, block_size=block_size,
-        kv_share_tokens=pool_tokens // sched.scheduler_config.max_num_seqs,
-        pool_kv_tokens=pool_tokens // pages_per_block,
-        checkpoint_kv_tokens=len(state_groups) * block_size // pages_per_block,
+        settings.placement, block_size=block_size, share=share,
         floor_fractions=settings.server.floor_fractions, warn=logger.warning,
         budget_warn=lambda msg: logger.warning(f"atom_hybrid_cache: {msg}"))
     planner = CheckpointPlanner(
@@ -119,13 +121,15 @@ def build_parts(sched) -> SchedulerParts:
             private_api.EVICTION_ORDER),
         verify_window_page_tokens=window_page, finished_lists=FinishedTokenLists())
     planner.gate_on = parts.gate is not None
-    if parts.units_on_release and policy.eviction_price_weight > 0:
-        parts.priced_queue = _priced_queue(pool, policy.eviction_price_weight, block_size)
+    if parts.units_on_release and policy.could_price():
+        parts.priced_queue = _priced_queue(pool, policy.configured.eviction_price_weight,
+                                           block_size, policy.eviction_price_weight)
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)
-        if policy.floor_fractions:
-            parts.floors = FloorStates(pool, states, policy.floor_fractions, num_blocks,
-                                       planner.stats)
+        # held while the share affords them (`policy.floor_fractions`)
+        if policy.configured_floor_fractions and share.line() != 1:
+            parts.floors = FloorStates(pool, states, policy.configured_floor_fractions,
+                                       num_blocks, planner.stats)
     connector = getattr(sched, "connector", None)
     # the plugin's connectors take the planner's counters (checked by the
     # hook, not the class: the adapter does not import the connector)
@@ -146,7 +150,9 @@ def build_parts(sched) -> SchedulerParts:
                 num_blocks, "written inside prefill forwards" if planner.interior_readable
                 else "at prefill chunk ends (chunks cut onto them)",
                 settings.server.admission_order, "on" if parts.gate else "off",
-                policy.placement, policy.floor_fractions or "off")
+                policy.configured, policy.configured_floor_fractions or "off")
+    if policy.reuse_aware:
+        logger.info("atom_hybrid_cache: %s", policy.describe_share())
     price = describe_price(policy.checkpoint_kv_tokens, block_size, sched.hash_block_size)
     if price and policy.reuse_aware:
         logger.info("atom_hybrid_cache: %s", price)
@@ -175,25 +181,32 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
     return AdmissionGate(stats)
 
 
-def _priced_queue(pool, setting: float, page_tokens: int) -> Optional[PricedFreeBlockQueue]:
+def _priced_queue(pool, setting: Optional[float], page_tokens: int,
+                  weight_now: Optional[float] = None) -> Optional[PricedFreeBlockQueue]:
     """vLLM's free queue replaced by the priced one (before any block holds
-    indexed content), or None where vLLM's pool has another queue (public
-    names, so not in `private_api`; the class is checked instead)."""
+    indexed content), at the weight of the requests in flight now
+    (`weight_now`, None: `setting`'s; `admission.size_share` changes it), or None where vLLM's pool
+    has another queue (public names, so not in `private_api`; the class is
+    checked instead)."""
     queue = getattr(pool, "free_block_queue", None)
     if type(queue).__name__ != "FreeKVCacheBlockQueue" or not hasattr(pool, "blocks"):
         logger.warning("atom_hybrid_cache: vLLM's free block queue is a %s, not the "
                        "FreeKVCacheBlockQueue this knows: priced eviction is off "
                        "(vLLM's order runs)", type(queue).__name__)
         return None
-    weight = pages_per_token(setting, pool.num_gpu_blocks, page_tokens)
-    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(), weight)
+    if weight_now is None:
+        weight_now = setting or 0.0
+    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(),
+                                  pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens))
     pool.free_block_queue = priced
+    full = AUTO_PRICE_WEIGHT if setting is None else setting
     logger.info("atom_hybrid_cache: priced eviction: a freed unit whose loss would cost a "
                 "resume every token of its pages stays %g pages (%g x the pool) longer in the "
                 "free queue, cheaper units less, KV above every state none "
-                "(ATOM_EVICTION_PRICE_WEIGHT=%g; auto: where a request slot's share of the pool "
-                "holds under 32 checkpoints' worth; 0: vLLM's FIFO)",
-                round(weight * page_tokens), setting, setting)
+                "(ATOM_EVICTION_PRICE_WEIGHT=%s; auto: %g where a request slot's share of the "
+                "pool holds under 32 checkpoints' worth, else vLLM's FIFO; 0: vLLM's FIFO)",
+                round(pages_per_token(full, pool.num_gpu_blocks, page_tokens) * page_tokens),
+                full, "auto" if setting is None else f"{setting:g}", AUTO_PRICE_WEIGHT)
     return priced
 
 

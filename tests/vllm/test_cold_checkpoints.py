@@ -90,9 +90,10 @@ def test_other_fractions_are_taken_as_given(make_plugin_scheduler, monkeypatch):
 
 def test_a_pool_of_few_checkpoints_runs_without_them(make_plugin_scheduler, monkeypatch,
                                                      caplog):
-    # 2.5 GiB: 91 pages, 40,320 tokens of KV, 30 checkpoints' worth, 15 a slot (2)
+    # 2.5 GiB: 91 pages, 40,320 tokens of KV, 30 checkpoints' worth: under
+    # 32 with one request in flight
     with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
         states, resumed = _serve(make_plugin_scheduler, monkeypatch, None, budget_gib=2.5)
     assert states == VLLM_OWN and resumed == 0
-    assert ("cold checkpoints off: a request slot's share of the KV pool (20,160 tokens) holds 15 "
-            "checkpoints' worth, under 32" in caplog.text)
+    assert ("cold checkpoints off: the whole KV pool (40,320 tokens) holds 30 checkpoints' "
+            "worth, under 32" in caplog.text)

@@ -13,6 +13,7 @@ same vLLM): re-measure with the command in ``_measure`` if vLLM changes.
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import pytest
 
@@ -126,6 +127,43 @@ def test_plugin_in_vllms_free_order(conversations, plugin, monkeypatch):
     monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0")
     r = _measure(conversations, "plugin")
     assert (r.status, r.hit_tokens, r.preemptions) == ("ok", 225_856, 1)
+
+
+def test_vllms_default_max_num_seqs_shares_the_pool_among_the_requests_in_flight(
+        conversations, plugin, caplog):
+    """max_num_seqs is a ceiling: a server left at vLLM's default (256
+    here) shares the pool among the requests in flight (2), as one started
+    with max_num_seqs=2 does. 5.5 GiB: 201 pages, 67 checkpoints' worth, 33
+    a slot for two. While the share was the pool over max_num_seqs, 256 left
+    each 350 tokens: cold checkpoints and floors off, priced eviction on,
+    and 225,856 tokens instead of 235,712."""
+    point = dict(POINT, memory_gib=5.5)
+    with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
+        wide = SB.run_point(conversations, "plugin", max_num_seqs=256, **point)
+    assert ("a request slot's share of the KV pool is the pool over the most requests in "
+            "flight at once (at most max_num_seqs=256): cold checkpoints and floor states on "
+            "up to 2 in flight; from 3" in caplog.text)
+    assert " off: " not in caplog.text
+    narrow = SB.run_point(conversations, "plugin", **point)
+    assert (wide.status, wide.num_blocks) == ("ok", 201)
+    assert (wide.hit_tokens, wide.preemptions) == (narrow.hit_tokens, narrow.preemptions) \
+        == (235_712, 0)
+
+
+def test_the_step_that_sees_a_small_share_turns_the_insurance_off_once(
+        conversations, plugin, caplog):
+    """4 GiB: 146 pages, 48 checkpoints' worth, 24 a slot for two: the first
+    step sees both requests and the insurance goes off, with max_num_seqs
+    2 or 256 alike (225,856 tokens)."""
+    point = dict(POINT, memory_gib=4.0)
+    with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
+        wide = SB.run_point(conversations, "plugin", max_num_seqs=256, **point)
+    assert caplog.text.count(
+        "cold checkpoints and floor states off: 2 requests in flight: a request slot's share "
+        "of the KV pool (32,480 tokens) holds 24 checkpoints' worth, under 32") == 1
+    narrow = SB.run_point(conversations, "plugin", **point)
+    assert (wide.hit_tokens, wide.preemptions) == (narrow.hit_tokens, narrow.preemptions) \
+        == (225_856, 0)
 
 
 def test_plugin_hits_first_admission_order(conversations, plugin):
