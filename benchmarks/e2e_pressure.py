@@ -909,6 +909,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head", type=int, default=256, help="tokens kept before the elided span")
     ap.add_argument("--max-requests", type=int, default=None, help="requests per conversation")
     ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--max-num-seqs", type=int, default=4,
+                    help="vLLM's max_num_seqs (a server left at vLLM's default runs 128 "
+                         "on CPU)")
     ap.add_argument("--pool-multiples", default="1.25,1.0,0.83")
     ap.add_argument("--policies",
                     default=",".join(p for p in POLICIES if p not in DIAGNOSTIC_POLICIES),
@@ -1051,7 +1054,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 r = run_policy(pol, convs, rounds, nb, max_model_len, args.geometry,
                                scheduler_only=args.scheduler_only, dtype=args.dtype,
-                               store_multiple=args.store_multiple)
+                               store_multiple=args.store_multiple,
+                               max_num_seqs=args.max_num_seqs)
             if pol in RUN_ONCE and not args.scheduler_only:
                 off_outputs[pol] = r
             ref_run = off_outputs.get("attention-control-off" if pol.startswith("attention-control")

@@ -6,14 +6,14 @@ insurance, most never read: a live request holds up to two floors and a
 conversation's start two cold checkpoints, four states beside its anchor,
 each taken from the live prefixes of the requests sharing the pool. They
 pay while they stay a small part of what one request slot holds: so they
-run where a slot's share of the pool (the pool over `max_num_seqs`) holds
-at least MIN_SLOT_CHECKPOINTS checkpoints' worth, four states being an
-eighth of it. The line was a fixed pool of 100 checkpoints' worth; on the
-small-pool sweep (84 cells, 30 to 1000 checkpoints' worth, 2 to 8 in
-flight; BENCHMARKS.md, "Small pools") the slot share turns them off in the
-100-checkpoint cells run 4 and 8 in flight, where they cost up to 3.2
-points at 1.0x, and keeps them from 200 up, where they gain. The requests
-sharing the pool are those in flight, not `max_num_seqs` (`slot_share`).
+run where a slot's share of the pool (the pool over the requests in
+flight, `slot_share`) holds at least MIN_SLOT_CHECKPOINTS checkpoints'
+worth, four states being an eighth of it. The line was a fixed pool of
+100 checkpoints' worth; on the small-pool sweep (84 cells, 30 to 1000
+checkpoints' worth, 2 to 8 in flight; BENCHMARKS.md, "Small pools") the
+slot share turns them off in the 100-checkpoint cells run 4 and 8 in
+flight, where they cost up to 3.2 points at 1.0x, and keeps them from 200
+up, where they gain.
 """
 
 from __future__ import annotations
