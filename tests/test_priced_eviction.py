@@ -219,12 +219,11 @@ def test_auto_prices_from_the_step_whose_requests_in_flight_leave_a_small_share(
     at the step that sees a fourth, and stays when they leave."""
     policy = CheckpointPolicy(server_defaults().placement, block_size=128,
                               share=SlotShare(124 * 384, 384, 256))
-    assert policy.could_price() and policy.eviction_price_weight == 0.0
+    assert policy.eviction_price_weight == 0.0
     assert [policy.observe_in_flight(n) for n in (1, 3, 3, 4, 2, 8)] == [
         False, False, False, True, False, False]
     assert policy.eviction_price_weight == 0.25 and policy.kv_share_tokens == 8 * 744
     # a pool whose share holds 32 checkpoints' worth at max_num_seqs never prices
     roomy = CheckpointPolicy(server_defaults().placement, block_size=128,
                              share=SlotShare(128 * 384, 384, 4))
-    assert not roomy.could_price()
     assert not roomy.observe_in_flight(4) and roomy.eviction_price_weight == 0.0

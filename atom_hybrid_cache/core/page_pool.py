@@ -57,12 +57,11 @@ class FifoFreeOrder(OrderedDict):
 
 class PagePool:
     def __init__(self, num_pages: int, on_evict: Optional[Callable[[int], None]] = None,
-                 price_weight: float = 0.0, priced: bool = False) -> None:
+                 price_weight: float = 0.0) -> None:
         """`num_pages`: vLLM's num_gpu_blocks, the null page included;
         `on_evict(key)`: an indexed key left the index because its page was
-        handed out again; `price_weight` > 0 or `priced`: the priced free
-        order, at `price_weight` (0 until `set_price_weight`: the FIFO's
-        order)."""
+        handed out again; `price_weight` > 0: the priced free order (or
+        from `set_price_weight` on)."""
         if num_pages < 2:
             raise ValueError(f"a page pool needs at least 2 pages (page 0 is the null page), "
                              f"got {num_pages}")
@@ -73,8 +72,7 @@ class PagePool:
         self.index: dict[int, dict] = {}
         # handed out next first
         pages = range(1, num_pages)
-        self.free_order = (PricedFreeOrder(num_pages, pages, price_weight)
-                           if priced or price_weight > 0
+        self.free_order = (PricedFreeOrder(num_pages, pages, price_weight) if price_weight > 0
                            else FifoFreeOrder((p, None) for p in pages))
         self.on_evict = on_evict
         self.evicted_keys = 0
@@ -90,8 +88,13 @@ class PagePool:
         return isinstance(self.free_order, PricedFreeOrder)
 
     def set_price_weight(self, weight: float) -> None:
-        """The priced order's weight from now on (a pool built priced)."""
-        self.free_order.weight = weight
+        """The priced order's weight from now on. A FIFO turns priced at
+        the first weight > 0, its free pages first in their order, as
+        `vllm/priced_free_queue.install` turns vLLM's queue."""
+        if self.priced_order:
+            self.free_order.weight = weight
+        elif weight > 0:
+            self.free_order = PricedFreeOrder(self.num_pages, list(self.free_order), weight)
 
     @property
     def num_free(self) -> int:

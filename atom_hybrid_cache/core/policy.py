@@ -77,17 +77,6 @@ class CheckpointPolicy:
         self._say_dropped(self.share.describe())
         return True
 
-    def could_price(self) -> bool:
-        """Whether eviction is priced at some number of requests in flight
-        up to max_num_seqs (where it is, the free order is built priced,
-        at weight 0 until then)."""
-        if not self.reuse_aware:
-            return False
-        at_most = SlotShare(self.share.pool_kv_tokens, self.share.checkpoint_kv_tokens,
-                            self.share.max_num_seqs, self.share.max_num_seqs)
-        return resolved_weight(self.configured.eviction_price_weight, at_most.tokens,
-                               at_most.checkpoint_kv_tokens) > 0 or self.eviction_price_weight > 0
-
     def describe_share(self) -> str:
         """The start-up log's account of what follows the requests in
         flight."""

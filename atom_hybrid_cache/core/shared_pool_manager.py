@@ -68,11 +68,11 @@ class SharedPoolManager:
         self.sub = shape.page_tokens // shape.hash_unit
         self.pps = shape.pages_per_state
         self.policy = shared_pool_policy(shape, placement, floor_fractions)
-        # the plugin's free order, priced where its policy may price (at the
-        # weight of the requests in flight, `open_step`); vLLM's FIFO for native
+        # the plugin's free order, priced where its policy prices (from the
+        # step whose requests in flight leave a small share, `open_step`);
+        # vLLM's FIFO for native
         self.pool = PagePool(shape.num_pages, on_evict=self._on_evict,
-                             price_weight=self._price_weight() if plugin else 0.0,
-                             priced=plugin and self.policy.could_price())
+                             price_weight=self._price_weight() if plugin else 0.0)
         self.index = SharedPoolIndex(self.pool, shape.page_tokens, shape.hash_unit, self.pps)
         self.planner = CheckpointPlanner(self.policy, hash_unit=shape.hash_unit,
                                          stats_log_interval=0) if plugin else None
@@ -120,8 +120,7 @@ class SharedPoolManager:
         order): the requests in flight sized the share (as
         `vllm/scheduler.py` sizes it), then the floors and the gate's pins;
         the waiting requests the gate holds out of this step."""
-        if self.plugin and self.policy.observe_in_flight(len(waiting) + len(running)) \
-                and self.pool.priced_order:
+        if self.plugin and self.policy.observe_in_flight(len(waiting) + len(running)):
             self.pool.set_price_weight(self._price_weight())
         return self.window.open(waiting, running) if self.window is not None else []
 

@@ -10,20 +10,28 @@ the core's (`CheckpointPlanner.plan`).
 from __future__ import annotations
 
 from ..core.priced_eviction import pages_per_token
+from .priced_free_queue import install_priced_queue
 
 
 def size_share(sched, parts) -> None:
     """Before vLLM's step: the requests in flight (running and waiting, as
     the planner counts them) size a request slot's share of the pool
-    (`core.slot_share`). Where it just fell under the line, the priced
-    queue takes the weight the policy now resolves."""
+    (`core.slot_share`). Where it just fell under the line and the policy
+    now prices, vLLM's free queue turns priced (a pool that never falls
+    under keeps vLLM's own queue, and its speed)."""
     policy = parts.planner.policy
     if not policy.observe_in_flight(len(sched.running) + len(sched.waiting)):
         return
-    if parts.priced_queue is not None:
-        parts.priced_queue.order.weight = pages_per_token(
-            policy.eviction_price_weight, sched.kv_cache_manager.block_pool.num_gpu_blocks,
-            policy.block_size)
+    weight = policy.eviction_price_weight
+    if weight <= 0 or not parts.units_on_release:
+        return
+    pool = sched.kv_cache_manager.block_pool
+    if parts.priced_queue is None:
+        parts.priced_queue = install_priced_queue(
+            pool, policy.configured.eviction_price_weight, policy.block_size, weight)
+    else:
+        parts.priced_queue.order.weight = pages_per_token(weight, pool.num_gpu_blocks,
+                                                          policy.block_size)
 
 
 def kv_prefix_tokens(pool, kv_groups, request, hash_unit: int, hit: int = 0) -> int:

@@ -12,15 +12,18 @@ The release (`release.py`) sets the prices of what it frees
 
 from __future__ import annotations
 
+import logging
 from typing import Iterator, Optional, Sequence
 
-from ..core.priced_eviction import PricedFreeOrder
+from ..core.priced_eviction import AUTO_PRICE_WEIGHT, PricedFreeOrder, pages_per_token
+
+logger = logging.getLogger("atom_hybrid_cache")
 
 
 class PricedFreeBlockQueue:
     def __init__(self, blocks: list, free_blocks: Sequence, weight: float) -> None:
         """`blocks`: the pool's blocks, by id; `free_blocks`: vLLM's queue's
-        blocks at the swap, in its order (none holds indexed content yet)."""
+        blocks at the swap, in its order (handed out first, in that order)."""
         self._blocks = blocks
         for b in free_blocks:
             b.prev_free_block = b.next_free_block = None
@@ -70,3 +73,32 @@ class PricedFreeBlockQueue:
             start = ids.index(cursor.block_id) + 1
         for i in ids[start:]:
             yield self._blocks[i]
+
+
+def install_priced_queue(pool, setting: Optional[float], page_tokens: int,
+                         weight_now: Optional[float] = None) -> Optional[PricedFreeBlockQueue]:
+    """vLLM's free queue replaced by the priced one, at `weight_now` (None:
+    `setting`'s), at set-up or at the step whose requests in flight price
+    it: the blocks free then are handed out first, in vLLM's order. None
+    where vLLM's pool has another queue (public names, so not in
+    `private_api`; the class is checked instead)."""
+    queue = getattr(pool, "free_block_queue", None)
+    if type(queue).__name__ != "FreeKVCacheBlockQueue" or not hasattr(pool, "blocks"):
+        logger.warning("atom_hybrid_cache: vLLM's free block queue is a %s, not the "
+                       "FreeKVCacheBlockQueue this knows: priced eviction is off "
+                       "(vLLM's order runs)", type(queue).__name__)
+        return None
+    if weight_now is None:
+        weight_now = setting or 0.0
+    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(),
+                                  pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens))
+    pool.free_block_queue = priced
+    full = AUTO_PRICE_WEIGHT if setting is None else setting
+    logger.info("atom_hybrid_cache: priced eviction: a freed unit whose loss would cost a "
+                "resume every token of its pages stays %g pages (%g x the pool) longer in the "
+                "free queue, cheaper units less, KV above every state none "
+                "(ATOM_EVICTION_PRICE_WEIGHT=%s; auto: %g where a request slot's share of the "
+                "pool holds under 32 checkpoints' worth, else vLLM's FIFO; 0: vLLM's FIFO)",
+                round(pages_per_token(full, pool.num_gpu_blocks, page_tokens) * page_tokens),
+                full, "auto" if setting is None else f"{setting:g}", AUTO_PRICE_WEIGHT)
+    return priced

@@ -17,7 +17,6 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from ..config import ADDITIONAL_CONFIG_KEY, MAX_HASH_UNIT_TOKENS, load_settings, server_defaults
 from ..core.gate_steps import gate_on
 from ..core.planner import CheckpointPlanner
-from ..core.priced_eviction import AUTO_PRICE_WEIGHT, pages_per_token
 from ..core.policy import CheckpointPolicy
 from ..core.slot_share import SlotShare
 from ..core.tail_price import describe_price
@@ -25,7 +24,7 @@ from . import private_api
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
 from .finished_token_lists import FinishedTokenLists
-from .priced_free_queue import PricedFreeBlockQueue
+from .priced_free_queue import PricedFreeBlockQueue, install_priced_queue
 from .floor_states import FloorStates
 from .state_manager import AtomStateManager
 from .state_search import StateSearch
@@ -121,9 +120,10 @@ def build_parts(sched) -> SchedulerParts:
             private_api.EVICTION_ORDER),
         verify_window_page_tokens=window_page, finished_lists=FinishedTokenLists())
     planner.gate_on = parts.gate is not None
-    if parts.units_on_release and policy.could_price():
-        parts.priced_queue = _priced_queue(pool, policy.configured.eviction_price_weight,
-                                           block_size, policy.eviction_price_weight)
+    # (or from the step whose requests in flight price it: admission.size_share)
+    if parts.units_on_release and policy.eviction_price_weight > 0:
+        parts.priced_queue = install_priced_queue(pool, policy.configured.eviction_price_weight,
+                                                  block_size, policy.eviction_price_weight)
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)
         # held while the share affords them (`policy.floor_fractions`)
@@ -179,35 +179,6 @@ def _admission_gate(sched, mode: str, policy: Optional[CheckpointPolicy] = None,
     if mode == "auto" and policy is None:
         return None     # auto gates the pools whose states the plugin manages
     return AdmissionGate(stats)
-
-
-def _priced_queue(pool, setting: Optional[float], page_tokens: int,
-                  weight_now: Optional[float] = None) -> Optional[PricedFreeBlockQueue]:
-    """vLLM's free queue replaced by the priced one (before any block holds
-    indexed content), at the weight of the requests in flight now
-    (`weight_now`, None: `setting`'s; `admission.size_share` changes it), or None where vLLM's pool
-    has another queue (public names, so not in `private_api`; the class is
-    checked instead)."""
-    queue = getattr(pool, "free_block_queue", None)
-    if type(queue).__name__ != "FreeKVCacheBlockQueue" or not hasattr(pool, "blocks"):
-        logger.warning("atom_hybrid_cache: vLLM's free block queue is a %s, not the "
-                       "FreeKVCacheBlockQueue this knows: priced eviction is off "
-                       "(vLLM's order runs)", type(queue).__name__)
-        return None
-    if weight_now is None:
-        weight_now = setting or 0.0
-    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(),
-                                  pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens))
-    pool.free_block_queue = priced
-    full = AUTO_PRICE_WEIGHT if setting is None else setting
-    logger.info("atom_hybrid_cache: priced eviction: a freed unit whose loss would cost a "
-                "resume every token of its pages stays %g pages (%g x the pool) longer in the "
-                "free queue, cheaper units less, KV above every state none "
-                "(ATOM_EVICTION_PRICE_WEIGHT=%s; auto: %g where a request slot's share of the "
-                "pool holds under 32 checkpoints' worth, else vLLM's FIFO; 0: vLLM's FIFO)",
-                round(pages_per_token(full, pool.num_gpu_blocks, page_tokens) * page_tokens),
-                full, "auto" if setting is None else f"{setting:g}", AUTO_PRICE_WEIGHT)
-    return priced
 
 
 def _pool_state(pool) -> dict:

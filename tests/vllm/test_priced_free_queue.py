@@ -18,7 +18,7 @@ from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E
 
 from atom_hybrid_cache.core.page_pool import PagePool  # noqa: E402
 from atom_hybrid_cache.vllm.priced_free_queue import PricedFreeBlockQueue  # noqa: E402
-from atom_hybrid_cache.vllm.scheduler_setup import _priced_queue  # noqa: E402
+from atom_hybrid_cache.vllm.priced_free_queue import install_priced_queue as _priced_queue  # noqa: E402
 
 N = 40
 
