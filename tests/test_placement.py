@@ -275,6 +275,26 @@ def test_the_insurance_goes_off_at_the_step_whose_requests_in_flight_leave_a_sma
     assert policy.kv_share_tokens == 64 * 384 // 5
 
 
+def test_a_floor_ledger_exists_only_where_some_requests_in_flight_leave_room_for_floors():
+    """The planner and vLLM's adapter both build the floors' ledger from
+    `floor_ledger_fractions`: the configured floors wherever one request
+    alone holds 32 checkpoints' worth (even if more in flight will turn
+    them off), none under that for any number, none with LRU release."""
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.policy import CheckpointPolicy
+    from atom_hybrid_cache.core.slot_share import SlotShare
+
+    def ledger(pool_checkpoints, eviction="reuse-aware", in_flight=0):
+        return CheckpointPolicy(PlacementConfig(eviction=eviction), block_size=128,
+                                share=SlotShare(pool_checkpoints * 384, 384, 256, in_flight),
+                                floor_fractions=(0.25, 0.5)).floor_ledger_fractions
+    assert ledger(32) == (0.25, 0.5)
+    # three in flight from the start: off now, but a ledger for the pool
+    assert ledger(64, in_flight=3) == (0.25, 0.5)
+    assert ledger(31) == ()
+    assert ledger(64, eviction="lru") == ()
+
+
 
 def test_a_warm_prompt_or_the_default_keeps_none():
     # the next turn resumes at the first one's end: not cold

@@ -60,6 +60,16 @@ class CheckpointPolicy:
         self.placement = dataclasses.replace(placement, eviction_price_weight=weight)
         self.floor_fractions = () if under else self.configured_floor_fractions
 
+    @property
+    def floor_ledger_fractions(self) -> tuple:
+        """The floor fractions a server keeps a ledger for: the configured
+        ones where the release is reuse-aware and some number of requests in
+        flight leaves a share above the line (the floors are held only while
+        `floor_fractions` is non-empty); () where no share ever affords them."""
+        if not self.reuse_aware or self.share.line() == 1:
+            return ()
+        return self.configured_floor_fractions
+
     def _say_dropped(self, why: str) -> None:
         dropped = [name for name, on in (("cold checkpoints", self.configured.cold_fractions),
                                          ("floor states", self.configured_floor_fractions)) if on]

@@ -91,9 +91,7 @@ class SharedPoolManager:
         # (vllm/scheduler_setup.py: floors with the reuse-aware release)
         self.window: Optional[SharedPoolWindow] = None
         if plugin:
-            # held while the share affords them (`policy.floor_fractions`)
-            floors = (self.policy.configured_floor_fractions
-                      if self.policy.reuse_aware and self.policy.share.line() != 1 else ())
+            floors = self.policy.floor_ledger_fractions
             gate = gate_on(admission_gate)
             if gate and not shape.step_tokens:
                 raise ValueError("the admission gate's model needs the step's tokens "

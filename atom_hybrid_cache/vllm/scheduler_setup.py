@@ -126,9 +126,8 @@ def build_parts(sched) -> SchedulerParts:
                                                   block_size, policy.eviction_price_weight)
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)
-        # held while the share affords them (`policy.floor_fractions`)
-        if policy.configured_floor_fractions and share.line() != 1:
-            parts.floors = FloorStates(pool, states, policy.configured_floor_fractions,
+        if policy.floor_ledger_fractions:
+            parts.floors = FloorStates(pool, states, policy.floor_ledger_fractions,
                                        num_blocks, planner.stats)
     connector = getattr(sched, "connector", None)
     # the plugin's connectors take the planner's counters (checked by the
