@@ -5,11 +5,13 @@ their managers (`KVCacheSpecRegistry`), our GDN and KDA layers
 (`QwenGatedDeltaNetAttention.register_oot`,
 `KimiGatedDeltaNetAttention.register_oot`), on CPU a Kimi-Linear model
 class vLLM's CPU build can run (`ModelRegistry`), the connectors
-(`KVConnectorFactory`). Two monkeypatches (`PATCHES`) for two choices vLLM
-makes from a setting and no registry, each only where its setting is unset
-and the plugin enabled: the scheduler class (`default_scheduler_class`) and
-the prefix-hash unit (`default_hash_unit`). The private vLLM names the
-plugin reads are listed in `private_api`.
+(`KVConnectorFactory`). Monkeypatches (`PATCHES`) for choices vLLM makes
+from a setting and no registry, each only where its setting is unset and
+the plugin enabled: the scheduler class (`default_scheduler_class`) and the
+prefix-hash unit (`default_hash_unit`); the runner's ReplaySSM page moves;
+and the worker's page copies (`page_copies`: vLLM's skip attention KV on
+models with several layers a KV tensor). The private vLLM names the plugin
+reads are listed in `private_api`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ PATCHES: tuple = (
      "_get_mamba_bufs, _update_states_after_model_execute: whole-page copies and no fused "
      "speculative copy kernels where the runner's state groups are ReplaySSM pages "
      "(ATOM_ENABLE_REPLAYSSM=1 with prefix caching)", "0.32.0"),
+    ("vllm.v1.worker.utils.copy_kv_cache_blocks_inplace (and the gpu_model_runner modules' "
+     "bindings): every layer's whole page copied for a resume inside a page", "0.32.0"),
 )
 
 
@@ -278,6 +282,14 @@ def register_replayssm() -> None:
     patch_model_runner()
 
 
+def register_page_copies() -> None:
+    """The worker's copy-on-write page copies cover every layer's page
+    (`page_copies`). Correct for every vLLM model, so registered with the
+    plugin, whatever the model."""
+    from .page_copies import patch_block_copies
+    patch_block_copies()
+
+
 def register_all() -> None:
     check_vllm_version()
     private_api.check()
@@ -289,3 +301,4 @@ def register_all() -> None:
     default_scheduler_class()
     default_hash_unit()
     register_replayssm()
+    register_page_copies()

@@ -31,7 +31,8 @@ arithmetic), accepted per draft position of the windows:
 
 Mutation that fails it (checked 2026-12-03): a rollback one record short
 (``accepted_records`` returning h - 1 for h > 1): the k = 2 outputs differ
-from the 13th token. Seven engine starts, each generate under 1 s
+from the 13th token. The last test runs next turns (resumes inside pages)
+and fails with vLLM's own page copy. Nine engine starts, each generate under 1 s
 unloaded: 2.5 min on the 2-core machine while other jobs ran (load 4-5),
 5 min at load 15-20 (OpenMP threads spin when the cores are oversubscribed).
 """
@@ -193,3 +194,39 @@ def test_mtp_replayssm_equals_slots_and_no_speculation(make_llm, switch, referen
             assert hits == [0, 0, 128], hits
         _both_ways(_spec_counts(llm), k)
         llm.llm_engine.engine_core.shutdown()
+
+
+def test_mtp_replayssm_next_turns_resume_inside_pages_and_match(make_llm, switch):
+    """The agentic case under MTP: each next turn is the previous prompt,
+    its output and new tokens. With MTP vLLM keeps a prompt's state one
+    hash unit below its last boundary (its EAGLE rule), so four of these
+    turns resume inside a 128-token page (64, 192): a copy-on-write of the
+    cached pages, KV and state. With vLLM's own page copy (two layers a KV
+    tensor here: the MTP layer's attention joins the target's) the copied
+    KV page was the first state's bytes only, and those four turns gave
+    other tokens than the plain engine from their 1st to 31st
+    (`vllm/page_copies.py`)."""
+    import vllm
+    k = 2
+    params = vllm.SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    lengths = (100, 40, 230, 130, 190, 250, 300, 64, 129, 200)
+    prompts = [[random.Random(3 + i).randrange(10, 3000) for _ in range(n)]
+               for i, n in enumerate(lengths)]
+    new = [[random.Random(50 + i).randrange(10, 3000) for _ in range(n)]
+           for i, n in enumerate((20, 90, 30, 5, 70, 1, 64, 10, 40, 100))]
+    switch(False)
+    plain = _llm(make_llm, False)
+    firsts = _run(plain, prompts)[0]
+    nexts = [p + o + e for p, o, e in zip(prompts, firsts, new)]
+    want = _run(plain, nexts)[0]
+    plain.llm_engine.engine_core.shutdown()
+
+    switch(True)
+    llm = make_llm(dtype="float32", enable_prefix_caching=True, disable_log_stats=False,
+                   num_gpu_blocks_override=128, speculative_config=_mtp(k))
+    assert _run(llm, prompts)[0] == firsts
+    outputs, hits = _run(llm, nexts)
+    assert hits == [0, 0, 128, 64, 64, 128, 192, 0, 64, 128]
+    assert outputs == want
+    _both_ways(_spec_counts(llm), k)
+    llm.llm_engine.engine_core.shutdown()
