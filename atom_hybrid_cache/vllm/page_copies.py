@@ -32,7 +32,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 
@@ -43,38 +43,48 @@ CALLERS = ("vllm.v1.worker.utils", "vllm.v1.worker.gpu_model_runner",
 NAME = "copy_kv_cache_blocks_inplace"
 
 
-def page_span_bytes(view: torch.Tensor, pages: int) -> tuple[int, int]:
+def page_span_bytes(view: torch.Tensor, pages: int) -> Optional[tuple[int, int]]:
     """(page stride, bytes one page of `view` spans from its first
     element), in bytes, for a view whose dim 0 counts `pages` pages (or a
-    multiple: kernel blocks split a page)."""
+    multiple: kernel blocks split a page); None where a dim strides past
+    a page (K and V in separate regions: the page is not one span)."""
     per_page, rest = divmod(view.shape[0], pages)
     if rest:
         raise ValueError(f"{view.shape[0]} blocks of a view are not a multiple of "
                          f"{pages} pages")
     size = view.element_size()
-    last = (per_page - 1) * view.stride(0) + sum(
-        (n - 1) * s for n, s in zip(view.shape[1:], view.stride()[1:]))
-    return view.stride(0) * per_page * size, (last + 1) * size
+    stride = view.stride(0) * per_page
+    inner = list(zip(view.shape[1:], view.stride()[1:]))
+    if any(n > 1 and s >= view.stride(0) for n, s in inner):
+        return None
+    last = (per_page - 1) * view.stride(0) + sum((n - 1) * s for n, s in inner)
+    return stride * size, (last + 1) * size
 
 
 def copy_whole_pages(kv_caches: Iterable[torch.Tensor], num_blocks: int,
                      copies: Sequence) -> None:
     """vLLM's `copy_kv_cache_blocks_inplace(kv_caches, num_blocks, copies)`:
     each (source, destination) page pair, in one gather, for every layer;
-    the bytes of a page are the widest any view starting there covers."""
+    the bytes of a page are the widest any view starting there covers. A
+    view whose page is not one span is copied through itself."""
     if not copies:
         return
+    pairs = torch.tensor([tuple(c) for c in copies], dtype=torch.int64)
     spans: dict = {}   # (device, first byte) -> (storage, offset, stride, span)
     for view in kv_caches:
         if view is None or view.numel() == 0:
             continue
-        stride, span = page_span_bytes(view, num_blocks)
+        src, dst = pairs.to(view.device).unbind(dim=1)
+        page = page_span_bytes(view, num_blocks)
+        if page is None:
+            blocks = view.unflatten(0, (num_blocks, view.shape[0] // num_blocks))
+            blocks[dst] = blocks[src]
+            continue
         key = (view.device, view.data_ptr())
         held = spans.get(key)
-        if held is None or span > held[3]:
+        if held is None or page[1] > held[3]:
             spans[key] = (view.untyped_storage(), view.storage_offset() * view.element_size(),
-                          stride, span)
-    pairs = torch.tensor([tuple(c) for c in copies], dtype=torch.int64)
+                          *page)
     for (device, _), (storage, offset, stride, span) in spans.items():
         raw = torch.empty(0, dtype=torch.uint8, device=device)
         raw.set_(storage)

@@ -116,6 +116,24 @@ def test_a_page_span_is_the_widest_a_view_covers():
     assert page_copies.page_span_bytes(split, BLOCKS) == (PAGE, PAGE)
 
 
+def test_a_view_whose_page_is_not_one_span_is_copied_through_itself():
+    """K for every block, then V for every block: a page is two spans, and
+    the view is copied as vLLM copies it."""
+    def layout():
+        buf = torch.randn(2 * BLOCKS * 64, generator=torch.Generator().manual_seed(9))
+        kv = buf.as_strided((BLOCKS, 2, 64), (64, BLOCKS * 64, 1))
+        return buf, kv
+    assert page_copies.page_span_bytes(layout()[1], BLOCKS) is None
+    ours, kv = layout()
+    page_copies.copy_whole_pages([kv], BLOCKS, COPIES)
+    theirs, kv = layout()
+    vllm_copy()([kv], BLOCKS, COPIES)
+    assert torch.equal(ours, theirs)
+    before = layout()[1]
+    assert torch.equal(kv[3], before[1]) and torch.equal(kv[0], before[4])
+    assert torch.equal(kv[2], before[2])
+
+
 def test_the_patch_binds_it_where_vllms_runners_call_it():
     import vllm.v1.worker.gpu_model_runner  # noqa: F401
     page_copies.patch_block_copies()
