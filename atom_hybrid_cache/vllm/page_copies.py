@@ -16,7 +16,7 @@ the attention view is skipped and the copy carries only the first state's
 bytes of the KV page: the resumed request reads another block's KV before
 its hit. Measured on the tiny model with 8 layers (two per tensor): every
 resume inside a page gave other greedy tokens than caching off, from the
-first to the tenth; on page boundaries they were equal. (The 4-layer tiny
+1st to the 11th; on page boundaries they were equal. (The 4-layer tiny
 model has one layer per tensor; vLLM then copies whole pages and is
 right.)
 
@@ -36,8 +36,8 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-# vLLM's modules that call it by a name bound at their import
 logger = logging.getLogger("atom_hybrid_cache")
+# vLLM's modules that call it by a name bound at their import
 CALLERS = ("vllm.v1.worker.utils", "vllm.v1.worker.gpu_model_runner",
            "vllm.v1.worker.gpu.model_runner")
 NAME = "copy_kv_cache_blocks_inplace"
@@ -74,9 +74,9 @@ def copy_whole_pages(kv_caches: Iterable[torch.Tensor], num_blocks: int,
     for view in kv_caches:
         if view is None or view.numel() == 0:
             continue
-        src, dst = pairs.to(view.device).unbind(dim=1)
         page = page_span_bytes(view, num_blocks)
         if page is None:
+            src, dst = pairs.to(view.device).unbind(dim=1)
             blocks = view.unflatten(0, (num_blocks, view.shape[0] // num_blocks))
             blocks[dst] = blocks[src]
             continue
