@@ -17,6 +17,8 @@ unset TRITON_INTERPRET
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$out/gpu.txt" || true
 
 python3 -m pytest -q -rs tests/kernels 2>&1 | tee "$out/tests.txt" || true
+# the worker's page copies (vllm/page_copies.py) on CUDA memory
+python3 -m pytest -q -rs tests/vllm/test_page_copies.py -k cuda 2>&1 | tee "$out/page_copies.txt" || true
 # 4 rows of 8k with 4 targets each (the shape of a packed prefill step), then
 # one 32k row with 16 targets (a long prompt with a dense ladder).
 python3 benchmarks/kernel_bench.py --json "$out/bench.json" 2>&1 | tee "$out/bench.txt"

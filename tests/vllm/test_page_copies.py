@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import torch
 
 from atom_hybrid_cache.vllm import page_copies
@@ -16,22 +17,25 @@ from atom_hybrid_cache.vllm import page_copies
 BLOCKS, PAGE, STATE = 6, 1024, 360          # bytes: a page, a GDN state's real bytes
 HEADS, TOKENS, CHANNELS = 2, 8, 16          # float32 KV view: 2 x 8 x 16 x 4 = 1024 B a page
 COPIES = [(1, 3), (4, 0)]
+# the copy runs where the pages are: a CUDA run in benchmarks/gpu_kernels.sh
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA GPU"))]
 
 
 def vllm_copy():
     """vLLM's own function, whether or not the plugin has rebound it."""
-    import vllm.v1.worker.utils as utils
+    utils = pytest.importorskip("vllm.v1.worker.utils")
     return getattr(page_copies.copy_whole_pages, "__wrapped__", None) or \
         utils.copy_kv_cache_blocks_inplace
 
 
-def overlay(slots: int, block_outermost: bool = False):
+def overlay(slots: int, block_outermost: bool = False, device: str = "cpu"):
     """(backing bytes, the runner's kv_caches in layer order, a function
     giving the bytes of layer slot `l`'s page `b`): per slot a GDN layer's
     view first, as vLLM's layer order has it for Qwen3-Next (layers 0-2
     GDN, 3 attention), then the attention layer's."""
     buf = torch.randint(-128, 127, (slots * BLOCKS * PAGE,), dtype=torch.int8,
-                        generator=torch.Generator().manual_seed(5))
+                        generator=torch.Generator().manual_seed(5)).to(device)
     raw = buf.view(torch.uint8)
     block_stride = slots * PAGE if block_outermost else PAGE
     layer_stride = PAGE if block_outermost else BLOCKS * PAGE
@@ -49,7 +53,7 @@ def overlay(slots: int, block_outermost: bool = False):
 
     def page(slot: int, block: int) -> torch.Tensor:
         at = slot * layer_stride + block * block_stride
-        return raw[at:at + PAGE].clone()
+        return raw[at:at + PAGE].cpu().clone()
     return buf, views, page
 
 
@@ -71,8 +75,9 @@ def _equal(a: dict, b: dict) -> list:
     return sorted(k for k in a if not torch.equal(a[k], b[k]))
 
 
-def test_several_layers_a_tensor_every_page_is_copied_whole():
-    _, views, page = overlay(slots=2)
+@pytest.mark.parametrize("device", DEVICES)
+def test_several_layers_a_tensor_every_page_is_copied_whole(device):
+    _, views, page = overlay(slots=2, device=device)
     want = expected_pages(page, 2)
     page_copies.copy_whole_pages(views, BLOCKS, COPIES)
     assert _equal(pages_now(page, 2), want) == []
