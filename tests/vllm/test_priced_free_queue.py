@@ -23,14 +23,17 @@ from atom_hybrid_cache.vllm.priced_free_queue import install_priced_queue as _pr
 N = 40
 
 
-def _replay(seed: int, pool: BlockPool, pages: PagePool) -> list:
+def _replay(seed: int, pool: BlockPool, pages: PagePool, swap_at=None, swap=None) -> list:
     """The same random calls on vLLM's pool and the planner's; returns the
-    block ids vLLM handed out (checked against the planner's as it goes)."""
+    block ids vLLM handed out (checked against the planner's as it goes).
+    `swap()` runs before call `swap_at`."""
     rng = random.Random(seed)
     held: list = []
     handed = []
     key = 0
-    for _ in range(300):
+    for step in range(300):
+        if step == swap_at:
+            swap()
         op = rng.random()
         if op < 0.4 and pool.get_num_free_blocks():
             n = rng.randint(1, min(5, pool.get_num_free_blocks()))
@@ -82,6 +85,35 @@ def test_vllms_pool_with_the_priced_queue_is_the_planners(seed, caplog):
     fifo = _replay(seed, BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16),
                    PagePool(N))
     assert priced != fifo
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_swap_mid_run_keeps_the_free_blocks_their_order_and_their_hashes(seed):
+    """The queue turns priced at the step whose requests in flight fall
+    under the line, mid-run: the blocks free then (cached ones among them)
+    keep vLLM's FIFO order at the head of the priced queue and their
+    hashes (later calls hit them), and from there vLLM's pool and the
+    planner's, turned at the same call, hand out the same blocks."""
+    pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
+    pages = PagePool(N)
+    seen = {}
+
+    def swap():
+        before = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        cached = {b: pool.blocks[b].block_hash for b in before
+                  if pool.blocks[b].block_hash is not None}
+        assert _priced_queue(pool, None, page_tokens=N, weight_now=1.0) is not None
+        pages.set_price_weight(1.0)
+        assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == before
+        assert {b: pool.blocks[b].block_hash for b in cached} == cached
+        seen.update(free=len(before), cached=len(cached))
+    late = _replay(seed, pool, pages, swap_at=150, swap=swap)
+    assert isinstance(pool.free_block_queue, PricedFreeBlockQueue)
+    # the swap found cached free blocks, and it changed what was handed out
+    assert seen["cached"] > 0
+    fifo = _replay(seed, BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16),
+                   PagePool(N))
+    assert late[:len(late) // 4] == fifo[:len(late) // 4] and late != fifo
 
 
 def test_the_queue_answers_vllms_other_calls():
