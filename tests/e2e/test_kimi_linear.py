@@ -161,6 +161,34 @@ def test_resumed_conversation_hits_the_cache_with_caching_offs_outputs(off_runs,
     assert [r[0] for r in off] == [0, 0, 0]
 
 
+def test_resumes_inside_pages_with_two_layers_a_kv_tensor(kimi_env):
+    """8 layers (KDA 1-3 and 5-7, MLA 4 and 8): two layers a KV tensor, as
+    on the real Kimi-Linear. The conversation above resumes at 576 and 704,
+    inside pages (a copy-on-write of the cached pages), and gives caching
+    off's tokens. With vLLM's own page copy turns 2 and 3 gave other tokens
+    (measured; `vllm/page_copies.py`, `test_resume_inside_page.py`)."""
+    from tiny_kimi_model import TINY_KIMI_CONFIG, build_tiny_kimi_linear
+    path = build_tiny_kimi_linear(config_overrides={
+        "num_hidden_layers": 8,
+        "linear_attn_config": {**TINY_KIMI_CONFIG["linear_attn_config"],
+                               "kda_layers": [1, 2, 3, 5, 6, 7], "full_attn_layers": [4, 8]}})
+    turns = _turns()
+    off = _new_llm(path, enable_prefix_caching=False)
+    try:
+        want = [r[1] for r in _conversation(off, turns)]
+    finally:
+        _shutdown(off)
+    llm = _new_llm(path, enable_prefix_caching=True)
+    try:
+        tensors = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config.kv_cache_tensors
+        assert [len(t.layers) for t in tensors] == [2, 2, 2, 2]
+        got = _conversation(llm, turns)
+    finally:
+        _shutdown(llm)
+    assert [r[0] for r in got] == [0, 576, 704]
+    assert [r[1] for r in got] == want
+
+
 def _calls():
     rng = random.Random(0)
     a = [rng.randrange(10, 900) for _ in range(1000)]
