@@ -9,8 +9,7 @@ the core's (`CheckpointPlanner.plan`).
 
 from __future__ import annotations
 
-from ..core.priced_eviction import pages_per_token
-from .priced_free_queue import install_priced_queue
+from .priced_free_queue import queue_at_weight
 
 
 def size_share(sched, parts) -> None:
@@ -22,16 +21,9 @@ def size_share(sched, parts) -> None:
     policy = parts.planner.policy
     if not policy.observe_in_flight(len(sched.running) + len(sched.waiting)):
         return
-    weight = policy.eviction_price_weight
-    if weight <= 0 or not parts.units_on_release:
-        return
-    pool = sched.kv_cache_manager.block_pool
-    if parts.priced_queue is None:
-        parts.priced_queue = install_priced_queue(
-            pool, policy.configured.eviction_price_weight, policy.block_size, weight)
-    else:
-        parts.priced_queue.order.weight = pages_per_token(weight, pool.num_gpu_blocks,
-                                                          policy.block_size)
+    if parts.units_on_release:
+        parts.priced_queue = queue_at_weight(sched.kv_cache_manager.block_pool, policy,
+                                             parts.priced_queue)
 
 
 def kv_prefix_tokens(pool, kv_groups, request, hash_unit: int, hit: int = 0) -> int:

@@ -102,3 +102,19 @@ def install_priced_queue(pool, setting: Optional[float], page_tokens: int,
                 round(pages_per_token(full, pool.num_gpu_blocks, page_tokens) * page_tokens),
                 full, "auto" if setting is None else f"{setting:g}", AUTO_PRICE_WEIGHT)
     return priced
+
+
+def queue_at_weight(pool, policy, queue: Optional[PricedFreeBlockQueue]
+                    ) -> Optional[PricedFreeBlockQueue]:
+    """The free queue for `policy`'s price weight now (`queue`: the priced
+    one installed before, or None): vLLM's own while the weight is 0, the
+    priced one from the first weight > 0 on (at set-up, or at the step
+    whose requests in flight price it), its weight following the policy's."""
+    weight = policy.eviction_price_weight
+    if queue is None:
+        if weight <= 0:
+            return None
+        return install_priced_queue(pool, policy.configured.eviction_price_weight,
+                                    policy.block_size, weight)
+    queue.order.weight = pages_per_token(weight, pool.num_gpu_blocks, policy.block_size)
+    return queue

@@ -24,7 +24,7 @@ from . import private_api
 from .admission_gate import AdmissionGate
 from .anchor_holds import PromptEndAnchors
 from .finished_token_lists import FinishedTokenLists
-from .priced_free_queue import PricedFreeBlockQueue, install_priced_queue
+from .priced_free_queue import PricedFreeBlockQueue, queue_at_weight
 from .floor_states import FloorStates
 from .state_manager import AtomStateManager
 from .state_search import StateSearch
@@ -121,9 +121,8 @@ def build_parts(sched) -> SchedulerParts:
         verify_window_page_tokens=window_page, finished_lists=FinishedTokenLists())
     planner.gate_on = parts.gate is not None
     # (or from the step whose requests in flight price it: admission.size_share)
-    if parts.units_on_release and policy.eviction_price_weight > 0:
-        parts.priced_queue = install_priced_queue(pool, policy.configured.eviction_price_weight,
-                                                  block_size, policy.eviction_price_weight)
+    if parts.units_on_release:
+        parts.priced_queue = queue_at_weight(pool, policy, None)
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)
         if policy.floor_ledger_fractions:
