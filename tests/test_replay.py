@@ -97,3 +97,16 @@ def test_bad_input_exits_2_naming_the_flag(args, flag, capsys):
     assert main(["replay", "--no-progress", *args]) == 2
     err = capsys.readouterr().err
     assert flag in err and "Traceback" not in err
+
+
+def test_the_plugins_pool_hashes_on_the_unit_the_plugin_asks_vllm_for(tmp_path, capsys):
+    """`--block-size 16` sizes qwen3.5-27b's pages at 400 tokens; in vLLM
+    the plugin then hashes prefixes every 50 tokens (the largest unit up
+    to 64 dividing the page), vLLM every 400. The replay hashes the same
+    way, and says so (it hashed on --block-size, 16: 413,680 tokens)."""
+    res = _run(tmp_path, "--policies", "default,vllm-align", "--block-size", "16")
+    default, native = res["default"], res["vllm-align"]
+    assert (default["extra"]["page_tokens"], default["extra"]["hash_unit"]) == (400, 50)
+    assert (native["extra"]["page_tokens"], native["extra"]["hash_unit"]) == (400, 400)
+    assert round(default["hit_rate"] * default["prompt_tokens"]) == 413_450
+    assert "prefix hash unit (tokens): default 50, vllm-align 400;" in capsys.readouterr().out

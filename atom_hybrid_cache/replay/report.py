@@ -153,9 +153,14 @@ def _workload_footer(results: Sequence[PolicyResult]) -> list[str]:
     pool = (f"kv-only-ceiling: its KV pool ({_count(ceiling.kv_blocks)} blocks x "
             f"{ceiling.block_size} tokens) with a free state at every block"
             if ceiling is not None else "no kv-only-ceiling run")
+    # the one-pool models hash prefixes on their own unit (runner.run_spec)
+    units = ", ".join(f"{r.policy} {r.extra['hash_unit']}" for r in results
+                      if r.extra.get("hash_unit"))
     lines.append(
         f"basis: hit = cached / prompt tokens of the {_count(first.requests)} requests "
-        f"simulated (over-context ones excluded); ceiling = {pool}; hit over all input: "
+        f"simulated (over-context ones excluded); ceiling = {pool}; "
+        + (f"prefix hash unit (tokens): {units}; " if units else "")
+        + "hit over all input: "
         + ", ".join(f"{r.policy} {_pct(r.hit_rate * r.prompt_tokens / total if total else 0.0)}"
                     for r in results)
     )

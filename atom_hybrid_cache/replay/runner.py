@@ -8,7 +8,8 @@ import sys
 import time
 from typing import Optional
 
-from ..config import PlacementConfig, load_settings, server_defaults
+from ..config import MAX_HASH_UNIT_TOKENS, PlacementConfig, load_settings, server_defaults
+from ..core.hash_unit import largest_unit_dividing
 from ..core.manager import HybridCacheManager, Request
 from ..core.replay_pool_config import DEFAULT_HEADROOM_PER_SEQ
 from ..core.shared_pool_manager import SharedPoolManager
@@ -38,9 +39,12 @@ _WORKLOAD: Optional[Workload] = None  # shared with forked workers
 def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, SimTotals, dict]:
     s = workload.settings
     if spec.shared_pool is not None:
-        if not spec.plugin:
-            # vLLM's own prefix hashes are one page long
-            s = dataclasses.replace(s, block_size=spec.page_tokens)
+        # vLLM's own prefix hashes are one page long; the plugin's the unit
+        # it asks vLLM for on that page (vllm/registration.py), whatever
+        # --block-size the pages were sized with
+        unit = (largest_unit_dividing([spec.page_tokens], MAX_HASH_UNIT_TOKENS) if spec.plugin
+                else spec.page_tokens)
+        s = dataclasses.replace(s, block_size=unit)
         shape = SharedPoolShape(num_pages=spec.num_pages, page_tokens=spec.page_tokens,
                                 hash_unit=s.block_size, pages_per_state=spec.pages_per_state,
                                 max_num_seqs=s.concurrency, step_tokens=s.prefill_chunk)
@@ -48,7 +52,7 @@ def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, 
                                 plugin=spec.plugin, admission_gate=spec.admission_gate)
         totals = simulate(workload.conversations, workload.source, mgr, _make_request, s, progress)
         extra = dict(fates=mgr.fates(), writes=mgr.writes, kv_blocks=spec.num_pages,
-                     state_slots=0, page_tokens=spec.page_tokens,
+                     state_slots=0, page_tokens=spec.page_tokens, hash_unit=s.block_size,
                      pages_per_state=spec.pages_per_state, stats=mgr.stats.as_dict())
         return spec.name, totals, extra
     # The replay keeps every hash it saw so `reusable` is exact, and

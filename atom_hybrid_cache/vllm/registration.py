@@ -24,6 +24,7 @@ import sys
 from typing import Optional
 
 from ..config import MAX_HASH_UNIT_TOKENS
+from ..core.hash_unit import largest_unit_dividing
 from . import private_api
 
 logger = logging.getLogger("atom_hybrid_cache")
@@ -195,15 +196,6 @@ def plugin_hash_unit(kv_cache_config, vllm_config) -> Optional[int]:
     sizes = [s.block_size for s in specs if s.prefix_cacheable] or [s.block_size for s in specs]
     unit = largest_unit_dividing(sizes, MAX_HASH_UNIT_TOKENS)
     return unit if unit < math.gcd(*sizes) else None
-
-
-def largest_unit_dividing(block_sizes, limit: int) -> int:
-    """The largest number of tokens, at most `limit`, that divides every
-    block size (vLLM's rule): 64 for 128- or 448-token blocks, 50 for 400.
-    Each unit boundary is a hash the scheduler computes, stores and walks,
-    so the largest keeps resumes within `limit` tokens with the fewest."""
-    g = math.gcd(*block_sizes)
-    return max(d for d in range(1, min(limit, g) + 1) if g % d == 0)
 
 
 @functools.cache

@@ -195,7 +195,7 @@ def test_enabled_plugin_hashes_prefixes_on_64_token_units(monkeypatch, caplog):
 
 
 def test_largest_unit_dividing_the_blocks():
-    from atom_hybrid_cache.vllm.registration import largest_unit_dividing
+    from atom_hybrid_cache.core.hash_unit import largest_unit_dividing
     assert largest_unit_dividing([400], 64) == 50
     assert largest_unit_dividing([448], 64) == 64
     assert largest_unit_dividing([128, 64], 64) == 64
