@@ -74,6 +74,11 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
     cold_off = next(o for o in a.outcomes if o.candidate == Candidate(
         PLUGIN_HASH_UNIT, ((env_var("placement", "cold_fractions"), ""),)))
     assert cold_off.full < a.default.full - 0.01
+    # the page as the hash unit runs on the page (448 tokens), not on the
+    # plugin's unit: it loses 0.56 point here (ran as the defaults when
+    # the replay hashed every plugin pool on its own unit)
+    page_unit = next(o for o in a.outcomes if o.candidate == Candidate(PAGE_UNIT))
+    assert (round(page_unit.full, 4), round(a.default.full, 4)) == (0.7661, 0.7717)
     text = format_advice(a, model="qwen3.5-27b", memory_gib=40, concurrency=4)
     assert "recommended: the defaults" in text
     assert ("  VLLM_PLUGINS=atom_hybrid_cache vllm serve Qwen/Qwen3.5-27B "
@@ -199,3 +204,15 @@ def test_the_price_axis_prints_and_parses_as_a_server_reads_it():
     weights = [Candidate(PLUGIN_HASH_UNIT, ((var, format_value(v)),)).settings()
                .placement.eviction_price_weight for v in axis[3][1:]]
     assert weights == [0.0, 0.25]
+
+
+def test_the_fallback_axis_prints_and_parses_as_a_server_reads_it():
+    """ATOM_STATE_CHECKPOINT_FALLBACK in advise's second stage: the rungs
+    on (the default, unset) and off (an empty value), parsed back as the
+    server parses them; the planner places them, so the axis runs."""
+    axis = next(ax for ax in SERVER_AXES if ax[2] == "fallback_fractions")
+    assert axis[3][0] == server_defaults().placement.fallback_fractions
+    assert [format_value(v) for v in axis[3]] == ["0.5,0.85", ""]
+    assert planner_runs((axis[1], axis[2])) and axis in server_axes()
+    off = Candidate(PLUGIN_HASH_UNIT, ((env_var(axis[1], axis[2]), ""),)).settings()
+    assert off.placement.fallback_fractions == ()

@@ -59,6 +59,11 @@ SERVER_AXES = (
     # priced eviction: auto (priced in small pools), off, on at any size
     # (a candidate equal to auto in its pool runs once)
     ("price", "placement", "eviction_price_weight", (None, 0.0, AUTO_PRICE_WEIGHT)),
+    # fallback rungs in prompts longer than a slot's share: on, off (they
+    # cost paced traffic that thrashes and gain saturated traffic cut at
+    # the share: BENCHMARKS.md, "The request slot's share under a paced
+    # client")
+    ("fallback", "placement", "fallback_fractions", ((0.5, 0.85), ())),
 )
 
 # Server settings no stage sweeps: (section, field).
@@ -75,8 +80,8 @@ def planner_runs(section_field: tuple) -> bool:
 
     from ..core.shared_pool_manager import SharedPoolManager
     name = section_field[1]
-    if name == "eviction_price_weight":
-        return True          # the shared-pool model's page pool runs it
+    if name in ("eviction_price_weight", "fallback_fractions"):
+        return True          # the shared-pool model's page pool and placement run them
     if name == "floor_fractions":
         return hasattr(SharedPoolManager, "open_step")
     if name == "admission_gate":
@@ -91,7 +96,8 @@ GRID_HELP = (
     f"{env_var('placement', 'retain_fractions')} {{0.5,0.75,0.875,0.94, none}}: 16 candidates; "
     f"(2) on the best of (1): {env_var('server', 'admission_gate')} {{auto, on, off}} x "
     f"{env_var('server', 'floor_fractions')} {{0.25,0.5, none}} x "
-    f"{env_var('placement', 'eviction_price_weight')} {{auto, 0, {AUTO_PRICE_WEIGHT:g}}}, "
+    f"{env_var('placement', 'eviction_price_weight')} {{auto, 0, {AUTO_PRICE_WEIGHT:g}}} x "
+    f"{env_var('placement', 'fallback_fractions')} {{0.5,0.85, none}}, "
     "where the planner models "
     "them (else left at default, and said so). The first value of each is the default. Not "
     "modelled, left at default: " + ", ".join(env_var(*f) for f in NEVER_SWEPT) + ".")

@@ -47,6 +47,9 @@ class PolicySpec:
     floor_fractions: tuple = ()
     admission_gate: str = "off"
     plugin: bool = True
+    # shared pool, the plugin: the tokens one prefix hash covers (0: the
+    # workload's block size)
+    hash_unit: int = 0
 
 
 def parse_policy_names(text: str) -> list[str]:
@@ -65,12 +68,14 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                    budget_bytes: int, block_size: int, max_num_seqs: int, num_spec: int,
                    headroom_slots: int, base_placement: PlacementConfig,
                    align_layout=None, server_placement: Optional[PlacementConfig] = None,
-                   floor_fractions: tuple = (), admission_gate: str = "off") -> list[PolicySpec]:
+                   floor_fractions: tuple = (), admission_gate: str = "off",
+                   plugin_hash_unit: int = 0) -> list[PolicySpec]:
     """`align_layout`: geometry.SharedPoolLayout of vLLM's pool, for the
     shared-pool policies, `default` and `vllm-align` (computed with
     page_tokens_multiple=block_size); `server_placement`,
     `floor_fractions` and `admission_gate`: the vLLM server's settings,
-    which `default` runs (None: `base_placement`)."""
+    which `default` runs (None: `base_placement`), hashing prefixes on
+    `plugin_hash_unit` tokens (0: `block_size`)."""
 
     def shared_layout(name: str):
         if align_layout is None:
@@ -105,7 +110,7 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                                     pages_per_state=lay.pages_per_state_slot,
                                     shared_pool=server_placement or base_placement,
                                     floor_fractions=floor_fractions,
-                                    admission_gate=admission_gate))
+                                    admission_gate=admission_gate, hash_unit=plugin_hash_unit))
         elif name == "separate-pools":
             specs.append(PolicySpec(name, default))
         elif name == "kv-only-ceiling":

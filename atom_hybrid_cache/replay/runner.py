@@ -39,11 +39,10 @@ _WORKLOAD: Optional[Workload] = None  # shared with forked workers
 def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, SimTotals, dict]:
     s = workload.settings
     if spec.shared_pool is not None:
-        # vLLM's own prefix hashes are one page long; the plugin's the unit
-        # it asks vLLM for on that page (vllm/registration.py), whatever
-        # --block-size the pages were sized with
-        unit = (largest_unit_dividing([spec.page_tokens], MAX_HASH_UNIT_TOKENS) if spec.plugin
-                else spec.page_tokens)
+        # vLLM's own prefix hashes are one page long; the plugin's the
+        # spec's unit where it names one (`compare`), else the workload's
+        # (advise runs each candidate's on a workload of its own)
+        unit = (spec.hash_unit or s.block_size) if spec.plugin else spec.page_tokens
         s = dataclasses.replace(s, block_size=unit)
         shape = SharedPoolShape(num_pages=spec.num_pages, page_tokens=spec.page_tokens,
                                 hash_unit=s.block_size, pages_per_state=spec.pages_per_state,
@@ -211,7 +210,10 @@ def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[s
         state_slot_bytes=geometry.state_slot_bytes, budget_bytes=int(memory_gib * GIB),
         block_size=s.block_size, max_num_seqs=s.concurrency, num_spec=num_spec,
         headroom_slots=default_headroom(s.concurrency) if headroom is None else headroom,
-        base_placement=placement, align_layout=layout, **server_policy(placement))
+        base_placement=placement, align_layout=layout, **server_policy(placement),
+        # the unit the plugin asks vLLM for on these pages (vllm/registration.py),
+        # whatever --block-size they were sized with
+        plugin_hash_unit=largest_unit_dividing([layout.block_size_tokens], MAX_HASH_UNIT_TOKENS))
     runs = run_specs(specs, workload, jobs, show_progress)
     return to_results(runs, s)
 
