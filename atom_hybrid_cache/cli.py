@@ -246,6 +246,10 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                         help="requests in flight at once (default: %(default)s)")
     parser.add_argument("--prefill-chunk", metavar="N", type=positive_int, default=8192,
                         help="prefill tokens per scheduler step (default: %(default)s)")
+    parser.add_argument("--time-scale", metavar="X", type=non_negative_float, default=0.0,
+                        help="client clock, as replay's: the next turn at the previous one's "
+                             "completion + min(think time, 600 s) x X; 0: saturated, every "
+                             "turn at once (default: %(default)s)")
     parser.add_argument("--jobs", metavar="N", type=positive_int, default=2,
                         help="worker processes (default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

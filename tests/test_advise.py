@@ -216,3 +216,25 @@ def test_the_fallback_axis_prints_and_parses_as_a_server_reads_it():
     assert planner_runs((axis[1], axis[2])) and axis in server_axes()
     off = Candidate(PLUGIN_HASH_UNIT, ((env_var(axis[1], axis[2]), ""),)).settings()
     assert off.placement.fallback_fractions == ()
+
+
+def test_a_paced_client_is_advised_on_its_own_traffic():
+    """`--time-scale 1`: the replay's client clock (think times, sub-agent
+    lanes) runs every candidate; at 6 GiB the embedded sample's defaults
+    keep more paced than saturated (the conversations take turns at the
+    pool), and the advice says which client it judged."""
+    def defaults_at(time_scale):
+        return advise(embedded_sample(), QWEN35, memory_gib=6, concurrency=4,
+                      time_scale=time_scale, candidates=[Candidate(PLUGIN_HASH_UNIT)],
+                      second_stage=False, jobs=1)
+    saturated, paced = defaults_at(0.0), defaults_at(1.0)
+    assert (round(saturated.default.full, 6), round(paced.default.full, 6)) == (0.554609, 0.597667)
+    text = format_advice(paced, model="qwen3.5-27b", memory_gib=6, concurrency=4)
+    assert text.splitlines()[2].startswith("client: paced client: next turn at completion + "
+                                           "min(think time, 600 s) x 1")
+    # without the second stage its axes are listed at their defaults, the
+    # placement ones (price, fallback) read from the placement settings
+    assert ("not swept, run by the planner at default: ATOM_ADMISSION_GATE (auto), "
+            "ATOM_STATE_CHECKPOINT_FLOOR (0.25,0.5), ATOM_EVICTION_PRICE_WEIGHT (auto), "
+            "ATOM_STATE_CHECKPOINT_FALLBACK (0.5,0.85)") in text.splitlines()
+    assert parse(["--model", "qwen3.5-27b", "--memory-gib", "6", "--time-scale", "1"]).time_scale == 1

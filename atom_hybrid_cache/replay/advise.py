@@ -22,6 +22,7 @@ from ..core.pool_budget import pool_checkpoints
 from ..core.shared_pool_shape import SharedPoolShape, shared_pool_policy
 from .advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around, grid, planner_runs,
                           server_axes)
+from .client_clock import ClientClock
 from .policies import build_policies
 from .simulator import SimSettings
 
@@ -59,6 +60,7 @@ class Advice:
     pool_checkpoints: int
     ceilings: tuple                    # the ceiling's hit rate: whole set, halves
     conversations: tuple               # conversations: whole set, halves
+    client: str = ""                   # the client clock (`ClientClock.describe`)
 
 
 def split_halves(conversations: list) -> tuple[list, list]:
@@ -130,13 +132,15 @@ def _map(tasks: list, jobs: int, progress) -> dict:
 
 
 def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int,
-           prefill_chunk: int = 8192, candidates: Optional[Sequence[Candidate]] = None,
+           prefill_chunk: int = 8192, time_scale: float = 0.0,
+           candidates: Optional[Sequence[Candidate]] = None,
            second_stage: bool = True, jobs: int = 2, progress=None) -> Advice:
     """Run every candidate (default: `grid()`; the defaults must be among
     them) on the whole set and its halves, then, with `second_stage`, the
     server axes the planner runs `around` the first stage's choice; choose
-    over all. `progress(runs)`, if given, returns the callback each
-    finished run calls with 1 (once per stage)."""
+    over all. `time_scale`: the replay's client clock (0: saturated).
+    `progress(runs)`, if given, returns the callback each finished run
+    calls with 1 (once per stage)."""
     from .memory_split import shared_pool_layout
     from .runner import Workload, default_headroom
     from .token_expander import TokenExpander
@@ -155,12 +159,14 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     pool_tokens = (layout.num_pages - 1) * page
     checkpoint_tokens = layout.pages_per_state_slot * page
     units = {PLUGIN_HASH_UNIT: PLUGIN_HASH_UNIT, PAGE_UNIT: page}
+    # the replay's client clock (`--time-scale`; 0: saturated)
+    clock = ClientClock(time_scale=time_scale)
     _WORKLOADS.clear()
     for s, convs in enumerate(subsets):
         for unit in set(units.values()):
             _WORKLOADS[(s, unit)] = Workload(convs, TokenExpander(), SimSettings(
                 concurrency=concurrency, prefill_chunk=prefill_chunk, block_size=unit,
-                max_model_len=geometry.max_model_len))
+                max_model_len=geometry.max_model_len, clock=clock))
     gate_runs = planner_runs(("server", "admission_gate"))
 
     def spec(name: str, unit: int, settings: Settings):
@@ -219,4 +225,4 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     best, gain, noise = choose(outcomes)
     return Advice(outcomes, next(o for o in outcomes if o.candidate.is_default), best, gain,
                   noise, page, layout.num_pages, pool_checkpoints(pool_tokens, checkpoint_tokens),
-                  tuple(hits["ceiling"]), tuple(len(x) for x in subsets))
+                  tuple(hits["ceiling"]), tuple(len(x) for x in subsets), clock.describe())

@@ -45,6 +45,7 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
         f"pool: {a.num_pages:,} pages of {a.page_tokens} tokens, {a.pool_checkpoints} "
         f"checkpoints' worth; ceiling (attention-only, same bytes): {a.ceilings[0]:.2%} of "
         f"prompt tokens (halves {a.ceilings[1]:.2%}, {a.ceilings[2]:.2%})",
+        *([f"client: {a.client}"] if a.client else []),
         "",
     ]
     swept = {v for o in a.outcomes for v, _ in o.candidate.env}
@@ -75,10 +76,12 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
         lines.append("(hit/ceil above 1: the ceiling, an attention-only run in the planner's "
                      "separate-pools model, thrashes at this pool; read the hit column)")
     lines.append("")
-    defaults = server_defaults().server
+    defaults = server_defaults()
 
     def listed(fields) -> str:
-        return ", ".join(f"{env_var(*f)} ({format_value(getattr(defaults, f[1])) or 'none'})"
+        # (section, field): a server axis may be a placement setting
+        return ", ".join(f"{env_var(*f)} "
+                         f"({format_value(getattr(getattr(defaults, f[0]), f[1])) or 'none'})"
                          for f in fields)
     unswept = [(ax[1], ax[2]) for ax in SERVER_AXES if env_var(ax[1], ax[2]) not in swept]
     modelled = [f for f in unswept if planner_runs(f)]
@@ -133,7 +136,7 @@ def run_advise(args) -> int:
     try:
         advice = advise(conversations, geometry, memory_gib=args.memory_gib,
                         concurrency=args.concurrency, prefill_chunk=args.prefill_chunk,
-                        jobs=args.jobs, progress=progress)
+                        time_scale=args.time_scale, jobs=args.jobs, progress=progress)
     finally:
         for bar in bars:
             bar.close()
