@@ -238,8 +238,12 @@ def test_a_small_share_drops_the_floor_states_too_and_names_what_it_dropped():
     def policy(pool, placement=cold):
         return CheckpointPolicy(placement, block_size=128, share=SlotShare(pool, 384, 1, 1),
                                 floor_fractions=floors, budget_warn=said.append)
-    roomy = policy(32 * 384)
+    roomy = policy(64 * 384)
     assert (roomy.placement.cold_fractions, roomy.floor_fractions) == ((0.5,), floors)
+    # at the line the cold checkpoints stay, the floors have no pool share
+    # (pool_budget.floor_scale)
+    at_line = policy(32 * 384)
+    assert (at_line.placement.cold_fractions, at_line.floor_fractions) == ((0.5,), ())
     assert said == []
     small = policy(31 * 384)
     assert (small.placement.cold_fractions, small.floor_fractions) == ((), ())
@@ -264,15 +268,42 @@ def test_the_insurance_goes_off_at_the_step_whose_requests_in_flight_leave_a_sma
                               share=SlotShare(64 * 384, 384, 256), floor_fractions=(0.25,),
                               budget_warn=said.append)
     assert policy.share.line() == 3
-    assert "cold checkpoints and floor states on up to 2 in flight; from 3" in \
-        policy.describe_share()
-    assert [policy.observe_in_flight(n) for n in (2, 1, 3, 5)] == [False, False, True, False]
+    assert "cold checkpoints and floor states on up to 2 in flight (the floors' pool share " \
+        "shrinking under 48 checkpoints' worth a request); from 3" in policy.describe_share()
+    # two in flight leave 32 a request: the floors' pool share is gone
+    # (pool_budget.floor_scale) before they go off at the third
+    assert [policy.observe_in_flight(n) for n in (2, 1, 3, 5)] == [True, False, True, False]
     assert (policy.placement.cold_fractions, policy.floor_fractions) == ((), ())
     assert said == ["cold checkpoints and floor states off: 3 requests in flight: a request "
                     "slot's share of the KV pool (8,192 tokens) holds 21 checkpoints' worth, "
                     "under 32"]
     # fallback rungs sit under the share the requests in flight leave
     assert policy.kv_share_tokens == 64 * 384 // 5
+
+
+def test_the_floors_pool_share_fades_in_above_the_line():
+    """The floors may take 1/16 of the pool where a request slot's share
+    holds 48 checkpoints' worth or more (the line, 32, and
+    FLOOR_FADE_CHECKPOINTS, 16), none at 32 (where they go off), a straight
+    line between: 128 checkpoints' worth over 2, 3, 4 requests in flight
+    hold 64, 42.7 and 32 a request. Each step that moves it says so (the
+    adapters then resize the floors' ledger); with no share left the floors
+    are off, not refused at every request. Before the fade the floors took
+    all 62 of 1,000 pages down to the line."""
+    from atom_hybrid_cache.config import PlacementConfig
+    from atom_hybrid_cache.core.policy import CheckpointPolicy
+    from atom_hybrid_cache.core.pool_budget import floor_scale
+    from atom_hybrid_cache.core.slot_share import SlotShare
+    policy = CheckpointPolicy(PlacementConfig(), block_size=128,
+                              share=SlotShare(128 * 384, 384, 256), floor_fractions=(0.25,))
+    seen = []
+    for n in (2, 3, 4, 5):
+        changed = policy.observe_in_flight(n)
+        seen.append((n, changed, policy.floor_max_pages(1000), policy.floor_fractions))
+    assert seen == [(2, False, 62, (0.25,)), (3, True, 41, (0.25,)), (4, True, 0, ()),
+                    (5, True, 0, ())]
+    assert [floor_scale(t * 384, 384) for t in (0, 32, 40, 48, 640)] == [0.0, 0.0, 0.5, 1.0, 1.0]
+    assert floor_scale(1000, 0) == 1.0
 
 
 def test_a_floor_ledger_exists_only_where_some_requests_in_flight_leave_room_for_floors():

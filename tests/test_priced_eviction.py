@@ -220,10 +220,14 @@ def test_auto_prices_from_the_step_whose_requests_in_flight_leave_a_small_share(
     policy = CheckpointPolicy(server_defaults().placement, block_size=128,
                               share=SlotShare(124 * 384, 384, 256))
     assert policy.eviction_price_weight == 0.0
-    assert [policy.observe_in_flight(n) for n in (1, 3, 3, 4, 2, 8)] == [
-        False, False, False, True, False, False]
+    # (three in flight shrink the floors' pool share, not the weight)
+    assert [(policy.observe_in_flight(n), policy.eviction_price_weight)
+            for n in (1, 3, 3, 4, 2, 8)] == [
+        (False, 0.0), (True, 0.0), (False, 0.0), (True, 0.25), (False, 0.25), (False, 0.25)]
     assert policy.eviction_price_weight == 0.25 and policy.kv_share_tokens == 8 * 744
     # a pool whose share holds 32 checkpoints' worth at max_num_seqs never prices
     roomy = CheckpointPolicy(server_defaults().placement, block_size=128,
                              share=SlotShare(128 * 384, 384, 4))
-    assert not roomy.observe_in_flight(4) and roomy.eviction_price_weight == 0.0
+    # (four in flight leave 32 a request: the floors' pool share goes, the
+    # weight stays 0)
+    assert roomy.observe_in_flight(4) and roomy.eviction_price_weight == 0.0

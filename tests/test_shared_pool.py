@@ -295,6 +295,24 @@ def test_a_waiting_request_holds_its_floor_and_gives_it_back_in_its_units():
     assert mgr.pool.free_order.in_order()[-3:] == [3, 2, 1]
 
 
+def test_no_floor_is_held_where_the_share_barely_clears_the_line():
+    """The same B with one slot of 34 checkpoints' worth (a 35-page pool):
+    the floors' pool share is an eighth of its 1/16 (pool_budget.floor_scale:
+    2 of the 16 checkpoints' worth it fades in over), no whole checkpoint, so
+    the floors are off and B's state at 16 stays in the free queue; at 69
+    checkpoints' worth (70 pages) the floors take their full 70 // 16 = 4
+    pages and B holds it. Before the fade 35 pages gave the floors 2 and B
+    held it."""
+    held = {}
+    for pages in (35, 70):
+        mgr = _manager(pages, floor_fractions=(0.25, 0.5))
+        _serve(mgr, _request("a", A))
+        mgr.open_step([_request("b", B)], [])
+        floors = mgr.window.floors
+        held[pages] = (floors.max_pages, floors.held, floors.refused)
+    assert held == {35: (0, {}, 0), 70: (4, {"b": [(16, [3])]}, 0)}
+
+
 def test_an_overdue_request_takes_its_room_from_the_held_prefixes():
     """Nothing runs, a 64-token step; C (48 cold tokens: 6 + 2 pages for
     the gate) was held as long as it may be, B (hit 32) fits. C goes first

@@ -23,7 +23,9 @@ class FloorLedger:
                  stats: Optional[CacheStats] = None,
                  on_first_refusal: Callable[[int], None] = lambda max_pages: None) -> None:
         """`max_pages`: what all floors together may hold (the pool's pages
-        times FLOOR_MAX_POOL_SHARE); `stats`: where the requests that hold
+        times FLOOR_MAX_POOL_SHARE, scaled by a request slot's share:
+        `policy.CheckpointPolicy.floor_max_pages`; its owner resets it as
+        the share moves); `stats`: where the requests that hold
         floors are counted (`floor_holds`); `on_first_refusal(max_pages)`:
         told once, when the share first refuses a request."""
         self.fractions = tuple(fractions)

@@ -4,8 +4,9 @@ The replay's manager and the vLLM adapter's planner both build one and ask
 it where an admitted prompt leaves checkpoints, so the rule is the same
 code in both: the interval snapped to the block, and what a request slot's
 share of the pool (`slot_share`) affords: the cold checkpoints and floors
-where it holds enough (`pool_budget`), priced eviction where it does not,
-fallback rungs under the share.
+where it holds enough (`pool_budget`; the floors' pool share fading in
+above the line), priced eviction where it does not, fallback rungs
+under the share.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import dataclasses
 from typing import Callable
 
 from ..config import PlacementConfig
+from .floor_ledger import FLOOR_MAX_POOL_SHARE
 from .placement import CheckpointTargets, plan_checkpoints, snap_interval
-from .pool_budget import MIN_SLOT_CHECKPOINTS
+from .pool_budget import (FLOOR_FADE_CHECKPOINTS, MIN_SLOT_CHECKPOINTS, floor_scale,
+                          pool_checkpoints)
 from .priced_eviction import resolved_weight
 from .slot_share import SlotShare
 
@@ -49,8 +52,9 @@ class CheckpointPolicy:
 
     def _fit(self) -> None:
         """`placement` and `floor_fractions` for the share now: the cold
-        checkpoints and floors off under the line, ATOM_EVICTION_PRICE_WEIGHT
-        resolved (auto: priced under it; only a release in units prices)."""
+        checkpoints off under the line, the floors sized (`_size_floors`),
+        ATOM_EVICTION_PRICE_WEIGHT resolved (auto: priced under the line;
+        only a release in units prices)."""
         under = self.share.under_line
         placement = self.configured
         if under:
@@ -58,7 +62,22 @@ class CheckpointPolicy:
         weight = resolved_weight(placement.eviction_price_weight, self.share.tokens,
                                  self.share.checkpoint_kv_tokens) if self.reuse_aware else 0.0
         self.placement = dataclasses.replace(placement, eviction_price_weight=weight)
-        self.floor_fractions = () if under else self.configured_floor_fractions
+        self._size_floors()
+
+    def _size_floors(self) -> None:
+        # the floors' pool share at the share now; where it holds no whole
+        # checkpoint they are off (not looked up and refused at every request)
+        share = self.share
+        self.floor_scale = floor_scale(share.tokens, share.checkpoint_kv_tokens)
+        room = (pool_checkpoints(share.pool_kv_tokens, share.checkpoint_kv_tokens)
+                * FLOOR_MAX_POOL_SHARE * self.floor_scale)
+        on = room >= 1 or not share.checkpoint_kv_tokens
+        self.floor_fractions = self.configured_floor_fractions if on else ()
+
+    def floor_max_pages(self, num_pages: int) -> int:
+        """What all floors together may hold in a pool of `num_pages` pages
+        at the share now (`pool_budget.floor_scale` of FLOOR_MAX_POOL_SHARE)."""
+        return int(num_pages * FLOOR_MAX_POOL_SHARE * self.floor_scale)
 
     @property
     def floor_ledger_fractions(self) -> tuple:
@@ -78,14 +97,19 @@ class CheckpointPolicy:
 
     def observe_in_flight(self, in_flight: int) -> bool:
         """Before a scheduler step, `in_flight` requests (running and
-        waiting) share the pool: whether the share just fell under the
-        line (then the placement, floors and price weight have changed,
-        and the log says so once)."""
+        waiting) share the pool: whether what the share sizes changed (the
+        floors' pool share, `floor_max_pages`, as the share shrinks toward
+        the line; the placement, floors and price weight where it
+        just fell under the line, which the log says once)."""
+        was_under, was_scale = self.share.under_line, self.floor_scale
         if not self.share.observe(in_flight):
             return False
-        self._fit()
-        self._say_dropped(self.share.describe())
-        return True
+        if self.share.under_line and not was_under:
+            self._fit()
+            self._say_dropped(self.share.describe())
+            return True
+        self._size_floors()
+        return self.floor_scale != was_scale
 
     def describe_share(self) -> str:
         """The start-up log's account of what follows the requests in
@@ -98,9 +122,12 @@ class CheckpointPolicy:
         if not line:
             return (f"{head}: at least {MIN_SLOT_CHECKPOINTS} checkpoints' worth up to "
                     f"{top}, cold checkpoints and floor states stay on")
-        return (f"{head}: cold checkpoints and floor states on up to {line - 1} in flight; "
-                f"from {line} (a share under {MIN_SLOT_CHECKPOINTS} checkpoints' worth) off, "
-                f"and priced eviction on where ATOM_EVICTION_PRICE_WEIGHT is auto")
+        return (f"{head}: cold checkpoints and floor states on up to {line - 1} in flight "
+                f"(the floors' pool share shrinking under "
+                f"{MIN_SLOT_CHECKPOINTS + FLOOR_FADE_CHECKPOINTS} checkpoints' worth a "
+                f"request); from {line} (a share under "
+                f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth) off, and priced eviction on "
+                f"where ATOM_EVICTION_PRICE_WEIGHT is auto")
 
     @property
     def eviction_price_weight(self) -> float:

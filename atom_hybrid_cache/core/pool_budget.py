@@ -14,6 +14,19 @@ checkpoints' worth, 2 to 8 in flight; BENCHMARKS.md, "Small pools") the
 slot share turns them off in the 100-checkpoint cells run 4 and 8 in
 flight, where they cost up to 3.2 points at 1.0x, and keeps them from 200
 up, where they gain.
+
+The floors fade in above the line rather than switch on at it: the pool
+share all floors may take rises from none at MIN_SLOT_CHECKPOINTS
+checkpoints' worth a slot to all of it (`floor_ledger.FLOOR_MAX_POOL_SHARE`)
+FLOOR_FADE_CHECKPOINTS above (`floor_scale`). At a share just above the
+line the floors pinned what cut early turns' KV: on the eight other
+groupings of the small-pool sweep (BENCHMARKS.md, "Eight other groupings")
+the switch left subset 7 at 200 checkpoints' worth, 1.0x (a share of 33),
+0.77 point under native; the fade puts it 0.42 above. Fades over 16, 32 and
+64 checkpoints' worth were measured: 16 is the best of them on both grids
+(+3.296 on the 84 published cells, +3.698 on the 160; no fade +3.296,
++3.682) and keeps the replay's c8 / 30 GiB saturated point (45 a slot),
+where a fade over 32 lost 0.5 point.
 """
 
 from __future__ import annotations
@@ -21,6 +34,9 @@ from __future__ import annotations
 # a request slot's share of the pool, in checkpoints' worth, from which the
 # insurance states (floors, cold checkpoints: four per slot) are an eighth
 MIN_SLOT_CHECKPOINTS = 32
+# checkpoints' worth a slot above that over which the floors' pool share
+# rises from none to all of it (`floor_scale`)
+FLOOR_FADE_CHECKPOINTS = 16
 
 
 def pool_checkpoints(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> int:
@@ -35,3 +51,15 @@ def slot_under_minimum(kv_share_tokens: int, checkpoint_kv_tokens: int) -> bool:
     `checkpoint_kv_tokens` (0: unknown, never under)."""
     return bool(checkpoint_kv_tokens) and (
         kv_share_tokens < MIN_SLOT_CHECKPOINTS * checkpoint_kv_tokens)
+
+
+def floor_scale(kv_share_tokens: int, checkpoint_kv_tokens: int) -> float:
+    """How much of their pool share the floors may take, 0 to 1: 0 where a
+    request slot's share (`kv_share_tokens` of KV) holds at most
+    MIN_SLOT_CHECKPOINTS checkpoints of `checkpoint_kv_tokens`, 1 from
+    FLOOR_FADE_CHECKPOINTS more, linear between (1 when a checkpoint's cost
+    is unknown)."""
+    if not checkpoint_kv_tokens:
+        return 1.0
+    above = kv_share_tokens / checkpoint_kv_tokens - MIN_SLOT_CHECKPOINTS
+    return min(1.0, max(0.0, above / FLOOR_FADE_CHECKPOINTS))

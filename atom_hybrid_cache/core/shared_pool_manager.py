@@ -120,6 +120,8 @@ class SharedPoolManager:
         the waiting requests the gate holds out of this step."""
         if self.plugin and self.policy.observe_in_flight(len(waiting) + len(running)):
             self.pool.set_price_weight(self._price_weight())
+            if self.window is not None and self.window.floors is not None:
+                self.window.floors.max_pages = self.policy.floor_max_pages(self.shape.num_pages)
         return self.window.open(waiting, running) if self.window is not None else []
 
     def close_step(self, scheduled_tokens: int) -> None:

@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 from ..config import ADMISSION_GATE_MAX_HOLD_STEPS
 from .admission import PageGroup, pages_to_admit, pages_to_finish
-from .floor_ledger import FLOOR_MAX_POOL_SHARE, FloorLedger
+from .floor_ledger import FloorLedger
 from .gate_steps import GateDecision, GateLookup, GateSteps
 
 
@@ -34,7 +34,8 @@ class SharedPoolWindow:
         stats = manager.planner.stats
         self.gate = GateSteps(stats) if gate else None
         self.floors = (FloorLedger(floor_fractions,
-                                   int(manager.shape.num_pages * FLOOR_MAX_POOL_SHARE), stats)
+                                   manager.policy.floor_max_pages(manager.shape.num_pages),
+                                   stats)
                        if floor_fractions else None)
         self.max_hold_steps = max_hold_steps
         P = manager.page

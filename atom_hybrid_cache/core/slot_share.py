@@ -46,13 +46,12 @@ class SlotShare:
 
     def observe(self, in_flight: int) -> bool:
         """`in_flight` requests share the pool now: whether the share has
-        just fallen under the line."""
+        just shrunk (more requests in flight than ever before)."""
         n = min(in_flight, self.max_num_seqs)
         if n <= self.peak:
             return False
-        was_under = self.under_line
         self.peak = n
-        return self.under_line and not was_under
+        return True
 
     def line(self) -> int:
         """The fewest requests in flight whose share is under the line

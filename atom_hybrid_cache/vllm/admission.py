@@ -15,12 +15,15 @@ from .priced_free_queue import queue_at_weight
 def size_share(sched, parts) -> None:
     """Before vLLM's step: the requests in flight (running and waiting, as
     the planner counts them) size a request slot's share of the pool
-    (`core.slot_share`). Where it just fell under the line and the policy
-    now prices, vLLM's free queue turns priced (a pool that never falls
-    under keeps vLLM's own queue, and its speed)."""
+    (`core.slot_share`): the floors' pool share follows it, and where it
+    just fell under the line and the policy now prices, vLLM's free queue
+    turns priced (a pool that never falls under keeps vLLM's own queue, and
+    its speed)."""
     policy = parts.planner.policy
     if not policy.observe_in_flight(len(sched.running) + len(sched.waiting)):
         return
+    if parts.floors is not None:
+        parts.floors.resize(policy)
     if parts.units_on_release:
         parts.priced_queue = queue_at_weight(sched.kv_cache_manager.block_pool, policy,
                                              parts.priced_queue)

@@ -8,9 +8,11 @@ state below its top, and the next cut of its top costs all of it. So from
 its first step in vLLM's admission window to its release, a request holds
 the highest state at or below each floor fraction of its prompt; the
 release gives them back in its units (`release.free_in_units`). All floors
-together stay under `FLOOR_MAX_POOL_SHARE` of the pool. What a request asks
-for and may hold is `core.floor_ledger`'s, which the planner's model of the
-plugin runs too; this adapter finds the states in vLLM's pool.
+together stay under `FLOOR_MAX_POOL_SHARE` of the pool, less where a
+request slot's share is near the line (`core.pool_budget.floor_scale`).
+What a request asks for and may hold is `core.floor_ledger`'s, which the
+planner's model of the plugin runs too; this adapter finds the states in
+vLLM's pool.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import itertools
 import logging
 from typing import Sequence
 
-from ..core.floor_ledger import FLOOR_MAX_POOL_SHARE, FloorLedger
+from ..core.floor_ledger import FloorLedger
 from ..core.stats import CacheStats
 from .state_search import StateSearch
 
@@ -33,15 +35,23 @@ def _warn_share_full(max_pages: int) -> None:
 
 
 class FloorStates:
-    def __init__(self, pool, states: StateSearch, fractions: Sequence[float],
-                 num_pages: int, stats: CacheStats | None = None) -> None:
-        """`stats`: where the requests that hold floors are counted
-        (`floor_holds`: the planner's, so they reach the log lines)."""
+    def __init__(self, pool, states: StateSearch, policy, num_pages: int,
+                 stats: CacheStats | None = None) -> None:
+        """`policy`: the pool's `core.policy.CheckpointPolicy` (its floor
+        fractions and the floors' pool share); `stats`: where the requests
+        that hold floors are counted (`floor_holds`: the planner's, so they
+        reach the log lines)."""
         self.pool = pool
         self.states = states
+        self.num_pages = num_pages
         # what each request holds, and the share (core.floor_ledger)
-        self.ledger = FloorLedger(fractions, int(num_pages * FLOOR_MAX_POOL_SHARE), stats,
-                                  _warn_share_full)
+        self.ledger = FloorLedger(policy.floor_ledger_fractions,
+                                  policy.floor_max_pages(num_pages), stats, _warn_share_full)
+
+    def resize(self, policy) -> None:
+        """The floors' pool share for `policy`'s request slot share now
+        (floors held stay; the next takes see it)."""
+        self.ledger.max_pages = policy.floor_max_pages(self.num_pages)
 
     fractions = property(lambda self: self.ledger.fractions)
     max_pages = property(lambda self: self.ledger.max_pages)

@@ -126,8 +126,7 @@ def build_parts(sched) -> SchedulerParts:
     if policy.reuse_aware:
         parts.anchors = PromptEndAnchors(pool, states, sched.hash_block_size)
         if policy.floor_ledger_fractions:
-            parts.floors = FloorStates(pool, states, policy.floor_ledger_fractions,
-                                       num_blocks, planner.stats)
+            parts.floors = FloorStates(pool, states, policy, num_blocks, planner.stats)
     connector = getattr(sched, "connector", None)
     # the plugin's connectors take the planner's counters (checked by the
     # hook, not the class: the adapter does not import the connector)

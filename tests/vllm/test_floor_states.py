@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 
 import pytest
 
@@ -23,7 +24,7 @@ pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from atom_hybrid_cache.config import SERVER_FLOOR_FRACTIONS  # noqa: E402
-from atom_hybrid_cache.vllm import floor_states  # noqa: E402
+from atom_hybrid_cache.core.policy import CheckpointPolicy  # noqa: E402
 
 PAGE = 448
 ROOMY_GIB = 10
@@ -133,7 +134,7 @@ def test_an_aborted_request_gives_its_floors_back(make_plugin_scheduler, monkeyp
 
 def test_floors_stay_under_their_share_of_the_pool(make_plugin_scheduler, monkeypatch, caplog):
     # a share of 2 pages: a floor (3 pages) never fits
-    monkeypatch.setattr(floor_states, "FLOOR_MAX_POOL_SHARE", 2 / 365)
+    monkeypatch.setattr(CheckpointPolicy, "floor_max_pages", lambda self, num_pages: 2)
     with caplog.at_level(logging.WARNING, logger="atom_hybrid_cache"):
         sched, states, resumed = _run(make_plugin_scheduler, monkeypatch, None)
     assert sched.atom.floors.holds == 0 and sched.atom.floors.refused == 3
@@ -141,6 +142,32 @@ def test_floors_stay_under_their_share_of_the_pool(make_plugin_scheduler, monkey
     said = [r.getMessage() for r in caplog.records if "floor states fill" in r.getMessage()]
     assert said == ["atom_hybrid_cache: floor states fill their share of the pool (2 pages); "
                     "requests beyond it hold none (see ATOM_STATE_CHECKPOINT_FLOOR)"]
+
+
+def test_the_floors_pool_share_follows_the_requests_in_flight(make_plugin_scheduler,
+                                                             monkeypatch):
+    """A 6.1 GiB pool of 223 pages (one vLLM's null), a checkpoint 3 of them:
+    74 checkpoints' worth. One request in flight leaves it all: the floors
+    take 223 // 16 = 13 pages. Two (max_num_seqs here) leave 37 a request,
+    5 of the 16 checkpoints' worth above the line (32) over which the floors'
+    pool share fades in (core.pool_budget.floor_scale): 13.9 * 0.32 = 4
+    pages. Two next turns wait in the window, each asking for the 3-page
+    floor at 9,856: the first holds it, the second is refused (with 13 pages
+    both held it)."""
+    monkeypatch.setattr(sys.modules[__name__], "ROOMY_GIB", 6.1)
+    sched, submit, step, rng, conv = _after_one_turn(make_plugin_scheduler, monkeypatch, 11)
+    floors = sched.atom.floors
+    assert (sched.kv_cache_manager.block_pool.num_gpu_blocks, floors.max_pages) == (223, 13)
+    for i in range(2):
+        submit(f"next{i}", conv + [rng.randrange(1, 30000) for _ in range(PAGE * 30)], 2)
+    step()
+    assert floors.max_pages == 4
+    assert {rid: [pos for pos, _ in held] for rid, held in floors.held.items()} == {
+        "next0": [9856], "next1": []}
+    assert (floors.held_pages, floors.refused) == (3, 1)
+    while sched.requests:
+        step()
+    assert _referenced_pages(sched) == []
 
 
 def test_a_prefix_cache_reset_gives_waiting_requests_floors_back(make_plugin_scheduler,
