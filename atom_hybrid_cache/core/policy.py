@@ -68,6 +68,7 @@ class CheckpointPolicy:
         # the floors' pool share at the share now; where it holds no whole
         # checkpoint they are off (not looked up and refused at every request)
         share = self.share
+        self._sized_under = share.under_line
         self.floor_scale = floor_scale(share.tokens, share.checkpoint_kv_tokens)
         room = (pool_checkpoints(share.pool_kv_tokens, share.checkpoint_kv_tokens)
                 * FLOOR_MAX_POOL_SHARE * self.floor_scale)
@@ -101,9 +102,10 @@ class CheckpointPolicy:
         floors' pool share, `floor_max_pages`, as the share shrinks toward
         the line; the placement, floors and price weight where it
         just fell under the line, which the log says once)."""
-        was_under, was_scale = self.share.under_line, self.floor_scale
         if not self.share.observe(in_flight):
             return False
+        # (what the last sizing saw: nothing more on the steps that change nothing)
+        was_under, was_scale = self._sized_under, self.floor_scale
         if self.share.under_line and not was_under:
             self._fit()
             self._say_dropped(self.share.describe())
