@@ -182,7 +182,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     def effective(c: Candidate) -> tuple:
         """What the pool makes of a candidate's settings: candidates equal
         here (the cold checkpoints and floors off where a request slot's
-        share is under 32 checkpoints' worth, `core/pool_budget.py`) run
+        share is under 32 checkpoints' worth, the floors also where their
+        pool share holds no whole checkpoint, `core/pool_budget.py`) run
         once."""
         unit = units[c.hash_unit]
         settings = c.settings()
