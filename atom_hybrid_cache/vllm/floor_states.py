@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from typing import Sequence
 
 from ..core.floor_ledger import FloorLedger
 from ..core.stats import CacheStats
