@@ -11,8 +11,8 @@ its block objects, already classified.
 
 from __future__ import annotations
 
-from bisect import bisect_left, bisect_right
-from typing import Callable, NamedTuple, Optional, Sequence
+from bisect import bisect_left, bisect_right, insort
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 
 class FreedState(NamedTuple):
@@ -180,6 +180,38 @@ def refreshed_positions(hit: int, end: int, retain_fractions: Sequence[float]) -
     where their own request left them in the LRU."""
     wanted = [hit] if hit else []
     return wanted + [int(end * f) for f in retain_fractions]
+
+
+def spaced_refreshed(found: Sequence[tuple], kept_positions: Iterable[int], hit: int,
+                     min_gap: int) -> list:
+    """Of `found` ([(position, pages)], highest first: the states a release
+    found at its refreshed positions), those it takes back, highest first.
+
+    A refreshed state is insurance: it is read only where the states above
+    it are gone. The highest one is the fallback right under the top: the
+    pool takes a prefix's top unit first, and a state a few tokens under it
+    turns that cut into a few tokens' recompute; it and the hit's are always
+    taken back. Each other one, lowest first, only where it stands at least
+    `min_gap` tokens (a checkpoint's KV: what its pages hold) from the
+    prompt's start and from every state the release keeps: its own
+    (`kept_positions`), the hit, those taken back below it. Closer, it
+    saves fewer tokens than its pages' KV would have held, and a prompt
+    whose turns end a few dozen tokens apart would keep a state every few
+    dozen tokens. `min_gap` 0: all of `found`."""
+    if not min_gap or len(found) < 2:
+        return list(found)
+    top = found[0][0]
+    kept = sorted({0, hit, *kept_positions})
+    out = []
+    for pos, pages in reversed(found):
+        i = bisect_left(kept, pos)
+        if i < len(kept) and kept[i] == pos or pos in (top, hit):
+            out.append((pos, pages))
+            continue
+        if pos - kept[i - 1] >= min_gap and (i == len(kept) or kept[i] - pos >= min_gap):
+            out.append((pos, pages))
+            insort(kept, pos)
+    return out[::-1]
 
 
 # How far below each top (in state pages) a walk of

@@ -5,8 +5,9 @@ it where an admitted prompt leaves checkpoints, so the rule is the same
 code in both: the interval snapped to the block, and what a request slot's
 share of the pool (`slot_share`) affords: the cold checkpoints and floors
 where it holds enough (`pool_budget`; the floors' pool share fading in
-above the line), priced eviction where it does not, fallback rungs
-under the share.
+above the line, the release's refreshed states spaced out fading as
+they do), priced eviction where it does not, fallback rungs under the
+share.
 """
 
 from __future__ import annotations
@@ -79,6 +80,14 @@ class CheckpointPolicy:
         """What all floors together may hold in a pool of `num_pages` pages
         at the share now (`pool_budget.floor_scale` of FLOOR_MAX_POOL_SHARE)."""
         return int(num_pages * FLOOR_MAX_POOL_SHARE * self.floor_scale)
+
+    @property
+    def refresh_spacing_tokens(self) -> int:
+        """How far apart the older states a release takes back stand
+        (`eviction.spaced_refreshed`): a checkpoint's KV at a share at or
+        under the line, fading to none as the floors fade in above it
+        (`floor_scale`; none where a checkpoint's cost is unknown)."""
+        return int(self.checkpoint_kv_tokens * (1.0 - self.floor_scale))
 
     @property
     def floor_ledger_fractions(self) -> tuple:

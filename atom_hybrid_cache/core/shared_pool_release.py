@@ -2,14 +2,15 @@
 as `vllm/release.py` runs it in vLLM: a finished request's pages go back to
 the one pool in units (`eviction.freed_order`): its states, the prompt-end
 state it held, its floors and the states at its hit and retain fractions
-(`eviction.refreshed_positions`), each with the KV below it, top first,
+(`eviction.refreshed_positions`, spaced out: `eviction.spaced_refreshed`),
+each with the KV below it, top first,
 priced where the pool's free order is (`priced_eviction`).
 Without the plugin, vLLM's own order: group by group, each tail first.
 """
 
 from __future__ import annotations
 
-from .eviction import FreedState, KVPages, freed_order, refreshed_positions
+from .eviction import FreedState, KVPages, freed_order, refreshed_positions, spaced_refreshed
 from .priced_eviction import span_prices
 from .shared_pool_held import HeldRequest
 
@@ -58,7 +59,10 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
                 else:
                     taken.add(p)
                     states.append(FreedState(p, pos, True, g))
-    for pos, pages in index.highest_states_at_or_below(hashes, wanted):
+    found = index.highest_states_at_or_below(hashes, wanted)
+    own = [pos for pos, _ in columns if pos is not None]
+    for pos, pages in spaced_refreshed(found, own, held.hit,
+                                       manager.policy.refresh_spacing_tokens):
         new = [(g, p) for g, p in enumerate(pages) if p not in taken]
         pool.touch([p for _, p in new])
         for g, p in new:

@@ -2,7 +2,8 @@
 
 `free_in_units` collects the request's pages from every KV cache group, the
 states the plugin held for it (prompt-end anchor, floors) and a few older
-states of its prefix (`core.eviction.refreshed_positions`), and frees them
+states of its prefix (`core.eviction.refreshed_positions`, spaced out:
+`spaced_refreshed`), and frees them
 in the core's order (`core.eviction.eviction_order`), priced where vLLM's
 free queue is (`priced_free_queue.py`).
 """
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from ..core.eviction import FreedState, KVPages, freed_order, freed_units, refreshed_positions
+from ..core.eviction import (FreedState, KVPages, freed_order, freed_units,
+                             refreshed_positions, spaced_refreshed)
 from ..core.priced_eviction import span_prices
 
 
@@ -61,7 +63,6 @@ def free_in_units(sched, parts, request) -> None:
         # held since the request entered the admission window: they go
         # back in its units, below the KV they insure
         states += _held_states_back(pool, pos, pages, held, parts.state_groups)
-    states += _refreshed_states(parts, request, held)
     # vLLM keeps the prompt-end state in a page of its own (a copy of the
     # state at the prefill's last hash boundary), not in the block table:
     # count it here when this request did not hold it
@@ -69,6 +70,7 @@ def free_in_units(sched, parts, request) -> None:
     if (anchor is None and prompt_end and prompt_end not in kept
             and parts.anchors.states_at(request, prompt_end) is not None):
         kept.append(prompt_end)
+    states += _refreshed_states(parts, request, held, kept)
     # the store keeps a record of each unit; without it only the order is
     # needed (the same arithmetic, no object a page)
     freed = freed_units(states, kv) if parts.store is not None else None
@@ -166,17 +168,20 @@ def _held_states_back(pool, pos: int, pages, held: set, groups) -> list[FreedSta
     return out
 
 
-def _refreshed_states(parts, request, held: set) -> list[FreedState]:
+def _refreshed_states(parts, request, held: set, kept: list) -> list[FreedState]:
     """The states other requests left on this prefix that leave with this
-    request's KV in unit order (`refreshed_positions`): taken back from
-    where the LRU holds them."""
+    request's KV in unit order (`refreshed_positions`, spaced from the
+    states it keeps, `kept`: `spaced_refreshed`): taken back from where the
+    LRU holds them."""
     plan = parts.planner.plans.get(request.request_id)
-    wanted = refreshed_positions(plan.hit if plan is not None else 0,
-                                 request.num_computed_tokens,
-                                 parts.planner.policy.placement.retain_fractions)
+    hit = plan.hit if plan is not None else 0
+    policy = parts.planner.policy
+    wanted = refreshed_positions(hit, request.num_computed_tokens,
+                                 policy.placement.retain_fractions)
+    found = parts.states.highest_at_or_below(request.block_hashes, wanted)
     pool = parts.states.pool
     out = []
-    for pos, blocks in parts.states.highest_at_or_below(request.block_hashes, wanted):
+    for pos, blocks in spaced_refreshed(found, kept, hit, policy.refresh_spacing_tokens):
         new = [(b, g) for b, g in zip(blocks, parts.state_groups) if b.block_id not in held]
         pool.touch([b for b, _ in new])
         for b, g in new:

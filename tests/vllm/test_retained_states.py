@@ -7,7 +7,9 @@ own release put them in the LRU and age out while their KV is still in use.
 A later cut into the prefix then finds no state below it, and the next turn
 starts from 0. On release the plugin takes back the state the request
 resumed from and the highest state at or below each retain fraction of its
-length, so they go back in the request's unit order (at the LRU tail).
+length, so they go back in the request's unit order (at the LRU tail),
+spaced a checkpoint's KV apart where a request slot's share of the pool is
+at the line (`core.eviction.spaced_refreshed`).
 """
 
 from __future__ import annotations
@@ -90,26 +92,54 @@ def _retained(sched, hashes, anchors, last_release):
     return retained, at
 
 
+def _unspaced(sched, monkeypatch):
+    """Every state found at the refreshed positions taken back (the
+    release before the spacing)."""
+    monkeypatch.setattr(type(sched.atom.planner.policy), "refresh_spacing_tokens",
+                        property(lambda self: 0))
+
+
 def test_recent_turns_anchors_leave_with_the_prefix_on_release(plugin_scheduler, monkeypatch):
     sched, submit, step = plugin_scheduler
     calls = _spy_releases(sched, monkeypatch)
-    assert sched.atom.planner.policy.placement.retain_fractions == (0.5, 0.75, 0.875, 0.94)
+    policy = sched.atom.planner.policy
+    assert policy.placement.retain_fractions == (0.5, 0.75, 0.875, 0.94)
+    # a slot's share of the 2.5 GiB pool is 30 checkpoints' worth (under
+    # the line): refreshed states stand a checkpoint's KV (3 state pages
+    # of 448 tokens) apart
+    assert (policy.kv_share_tokens, policy.checkpoint_kv_tokens) == (40320, 1344)
+    assert policy.refresh_spacing_tokens == 1344
     hashes, end, anchors = _serve_conversation(sched, submit, step)
     assert end == 448 * 19 + 1 + DECODE - 1
     retained, at = _retained(sched, hashes, anchors, calls[-1])
     # the last prompt end (its own anchor), the state it resumed from
     # (448 * 18), and the highest at or below 0.5, 0.75, 0.875 and 0.94 of
-    # 8,516 tokens: 4,258 -> 4,032, 6,387 -> 6,272, 7,451 -> 7,168, 8,005 -> 7,616
-    assert retained == [4032, 6272, 7168, 7616, 8064, 8512]
+    # 8,516 tokens: 4,258 -> 4,032, 6,387 -> 6,272, 7,451 -> 7,168, 8,005 -> 7,616;
+    # of those 7,168 (896 above 6,272) and 7,616 (448 under the hit) stand
+    # closer than 1,344 tokens to a state the release keeps
+    assert retained == [4032, 6272, 8064, 8512]
     # the others are older in the LRU: evicted before any of them
+    assert max(i for p, i in at.items() if p not in retained) < min(at[p] for p in retained)
+
+
+def test_unspaced_every_state_found_leaves_with_the_prefix(plugin_scheduler, monkeypatch):
+    """The counterfactual: without the spacing the release takes back all
+    six (two of them a few hundred tokens from a kept one)."""
+    sched, submit, step = plugin_scheduler
+    _unspaced(sched, monkeypatch)
+    calls = _spy_releases(sched, monkeypatch)
+    hashes, _, anchors = _serve_conversation(sched, submit, step)
+    retained, at = _retained(sched, hashes, anchors, calls[-1])
+    assert retained == [4032, 6272, 7168, 7616, 8064, 8512]
     assert max(i for p, i in at.items() if p not in retained) < min(at[p] for p in retained)
 
 
 def test_the_old_fractions_left_recent_anchors_to_age(plugin_scheduler, monkeypatch):
     """The counterfactual: with the fallback fractions the release used
     before (0.5, 0.85), the anchors of the turns between 0.5 and the
-    resume point (6,272, 7,616) are not taken back."""
+    resume point (6,272, 7,616) are not taken back (unspaced, as then)."""
     sched, submit, step = plugin_scheduler
+    _unspaced(sched, monkeypatch)
     monkeypatch.setattr(sched.atom.planner.policy, "placement",
                         PlacementConfig(retain_fractions=(0.5, 0.85)))
     calls = _spy_releases(sched, monkeypatch)
@@ -130,6 +160,8 @@ def test_anchors_between_pages_are_found(make_plugin_scheduler, monkeypatch):
     vLLM writes at chunk ends, up to a page below each fraction. (A 4 GiB
     pool: at 2.5 GiB two of these anchors are evicted before the last turn.)"""
     sched, submit, step = make_plugin_scheduler(budget_gib=4)
+    # 48 checkpoints' worth a slot: the spacing has faded out
+    assert sched.atom.planner.policy.refresh_spacing_tokens == 0
     calls = _spy_releases(sched, monkeypatch)
     hashes, end, anchors = _serve_conversation(sched, submit, step, UNALIGNED_ENDS)
     assert sorted(anchors) == [3648, 4160, 4672, 5184, 5696, 6208,
