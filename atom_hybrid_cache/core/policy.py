@@ -134,7 +134,8 @@ class CheckpointPolicy:
             return (f"{head}: at least {MIN_SLOT_CHECKPOINTS} checkpoints' worth up to "
                     f"{top}, cold checkpoints and floor states stay on")
         return (f"{head}: cold checkpoints and floor states on up to {line - 1} in flight "
-                f"(the floors' pool share shrinking under "
+                f"(the floors' pool share shrinking and a release's refreshed states "
+                f"spaced out under "
                 f"{MIN_SLOT_CHECKPOINTS + FLOOR_FADE_CHECKPOINTS} checkpoints' worth a "
                 f"request); from {line} (a share under "
                 f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth) off, and priced eviction on "

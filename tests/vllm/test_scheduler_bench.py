@@ -142,8 +142,8 @@ def test_vllms_default_max_num_seqs_shares_the_pool_among_the_requests_in_flight
         wide = SB.run_point(conversations, "plugin", max_num_seqs=256, **point)
     assert ("a request slot's share of the KV pool is the pool over the most requests in "
             "flight at once (at most max_num_seqs=256): cold checkpoints and floor states on "
-            "up to 2 in flight (the floors' pool share shrinking under 48 checkpoints' worth "
-            "a request); from 3" in caplog.text)
+            "up to 2 in flight (the floors' pool share shrinking and a release's refreshed "
+            "states spaced out under 48 checkpoints' worth a request); from 3" in caplog.text)
     assert " off: " not in caplog.text and "floor states fill" not in caplog.text
     narrow = SB.run_point(conversations, "plugin", **point)
     assert (wide.status, wide.num_blocks) == ("ok", 201)
