@@ -269,7 +269,8 @@ def test_the_insurance_goes_off_at_the_step_whose_requests_in_flight_leave_a_sma
                               budget_warn=said.append)
     assert policy.share.line() == 3
     assert "cold checkpoints and floor states on up to 2 in flight (the floors' pool share " \
-        "shrinking under 48 checkpoints' worth a request); from 3" in policy.describe_share()
+        "shrinking and a release's refreshed states spaced out under 48 checkpoints' worth " \
+        "a request); from 3" in policy.describe_share()
     # two in flight leave 32 a request: the floors' pool share is gone
     # (pool_budget.floor_scale) before they go off at the third
     assert [policy.observe_in_flight(n) for n in (2, 1, 3, 5)] == [True, False, True, False]
