@@ -205,7 +205,7 @@ def spaced_refreshed(found: Sequence[tuple], kept_positions: Iterable[int], hit:
     out = []
     for pos, pages in reversed(found):
         i = bisect_left(kept, pos)
-        if i < len(kept) and kept[i] == pos or pos in (top, hit):
+        if (i < len(kept) and kept[i] == pos) or pos in (top, hit):
             out.append((pos, pages))
             continue
         if pos - kept[i - 1] >= min_gap and (i == len(kept) or kept[i] - pos >= min_gap):
