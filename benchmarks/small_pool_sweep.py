@@ -136,6 +136,20 @@ def cell_workload(subset: int, checkpoints: int, multiple: float,
     return convs, w, pool, in_flight
 
 
+def at_pool_offsets(cell: dict, offsets) -> list[dict]:
+    """`cell` at pool x (1 + offset) for each of `offsets`, its workload
+    unchanged: the pages rounded, the real multiple scaled with them (to
+    three places), and `pool_offset` kept where it is not 0, so that a run
+    without offsets writes the cells it always wrote."""
+    out = []
+    for offset in offsets:
+        pages = round(cell["pool_pages"] * (1 + offset))
+        out.append(dict(cell, pool_pages=pages,
+                        real_multiple=round(cell["real_multiple"] * pages / cell["pool_pages"], 3),
+                        cached={}, **({"pool_offset": offset} if offset else {})))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoints", default=",".join(map(str, CHECKPOINTS)),
@@ -156,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-seqs", type=int, default=None,
                     help="vLLM's max_num_seqs (default: each cell's requests in flight; a "
                          "server left at vLLM's default runs 128 to 1,024)")
+    ap.add_argument("--pool-offsets", default="0",
+                    help="each cell also at pool x (1 + offset), its workload unchanged: pool "
+                         "sizes between the grid's, e.g. -0.03,-0.02,-0.01,0,0.01,0.02,0.03 "
+                         "(BENCHMARKS.md, 'The knee')")
     ap.add_argument("--json", default=None)
     ap.add_argument("--markdown", metavar="JSON", default=None,
                     help="print an earlier run's --json as markdown tables, run nothing")
@@ -171,6 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"unknown policy {p!r}")
     policies.sort(key=lambda p: p in E.PLUGIN_POLICIES)   # plugin runs last
     checkpoints = [int(x) for x in args.checkpoints.split(",")]
+    offsets = [float(x) for x in args.pool_offsets.split(",")]
     multiples = [float(x) for x in args.pool_multiples.split(",")]
     groups = subsets(args.traces_fitting, args.subsets, args.subset_size)
     shapes = [Shapes(g, args.max_requests) for g in groups]
@@ -186,11 +205,11 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 tpi, in_flight, got = picked
                 convs, w = sh.workload(tpi, in_flight)
-                cells.append(dict(subset=s, checkpoints=n, multiple=m, tokens_per_id=tpi,
-                                  in_flight=in_flight, pool_pages=pool,
-                                  live_pages=w.working_set, real_multiple=round(got, 3),
-                                  oracle=sum(w.oracle), prompt_tokens=sum(map(len, w.sent)),
-                                  cached={}))
+                cells += at_pool_offsets(
+                    dict(subset=s, checkpoints=n, multiple=m, tokens_per_id=tpi,
+                         in_flight=in_flight, pool_pages=pool, live_pages=w.working_set,
+                         real_multiple=got, oracle=sum(w.oracle),
+                         prompt_tokens=sum(map(len, w.sent)), cached={}), offsets)
     t0 = time.monotonic()
     for policy in policies:
         for cell in cells:
@@ -209,6 +228,7 @@ def main(argv: list[str] | None = None) -> int:
                                    max_num_seqs=args.max_num_seqs or cell["in_flight"])
                 cell["cached"][policy] = sum(run["cached"])
             print(f"subset {cell['subset']} {cell['checkpoints']:>5} ckpt x{cell['multiple']:<5}"
+                  f"{cell.get('pool_offset', 0):+.2f} "
                   f"({cell['real_multiple']:.2f}, {cell['tokens_per_id']}x{cell['in_flight']}) "
                   f"{policy:<18} {cell['cached'][policy] / cell['oracle']:.4f}  "
                   f"[{time.monotonic() - t0:.0f} s]", flush=True)
