@@ -13,6 +13,7 @@ the model over workloads or start `vllm serve` (tens of seconds each).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -44,3 +45,14 @@ def _plugin_settings_restored():
         if k not in saved:
             del os.environ[k]
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="session")
+def sweep():
+    """benchmarks/small_pool_sweep.py as a module: the tests that pin its
+    cells build their workloads with it."""
+    spec = importlib.util.spec_from_file_location(
+        "small_pool_sweep", _HERE.parent / "benchmarks" / "small_pool_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

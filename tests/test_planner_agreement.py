@@ -101,11 +101,7 @@ def test_the_scaled_workload_at_0_83(agreement, expected):
 SWEEP_CELLS = [(1, 30, 1.0), (2, 30, 0.83)]
 
 
-def test_a_hash_unit_inside_the_page(agreement, expected):
-    spec = importlib.util.spec_from_file_location("small_pool_sweep",
-                                                  BENCH / "small_pool_sweep.py")
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+def test_a_hash_unit_inside_the_page(agreement, expected, sweep):
     for subset, checkpoints, multiple in SWEEP_CELLS:
         want = expected[(subset, checkpoints, multiple)]
         convs, w, pool, in_flight = sweep.cell_workload(subset, checkpoints, multiple)

@@ -5,17 +5,10 @@ release keeps stay where their own release left them in the LRU."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import pytest
-
 from atom_hybrid_cache.config import PlacementConfig
 from atom_hybrid_cache.core.eviction import spaced_refreshed
 from atom_hybrid_cache.core.policy import CheckpointPolicy
 from atom_hybrid_cache.core.slot_share import SlotShare
-
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def test_states_closer_than_the_spacing_to_a_kept_one_are_left():
@@ -51,15 +44,6 @@ def test_the_spacing_fades_out_as_the_floors_fade_in():
             .refresh_spacing_tokens
     assert [spacing(n) for n in (9, 32, 36, 40, 48, 100)] == [1000, 1000, 750, 500, 0, 0]
     assert spacing(9, checkpoint_kv_tokens=0) == 0
-
-
-@pytest.fixture(scope="module")
-def sweep():
-    spec = importlib.util.spec_from_file_location("small_pool_sweep",
-                                                  BENCH / "small_pool_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def test_a_conversation_returning_to_an_older_context_finds_it(sweep, monkeypatch):

@@ -4,22 +4,6 @@ sweep's published grids use."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-import pytest
-
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
-@pytest.fixture(scope="module")
-def sweep():
-    spec = importlib.util.spec_from_file_location("small_pool_sweep",
-                                                  BENCH / "small_pool_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 def test_pool_offsets_scale_the_pool_and_keep_the_workload(sweep):
     cell = dict(subset=0, checkpoints=150, multiple=1.0, pool_pages=450, real_multiple=0.97,

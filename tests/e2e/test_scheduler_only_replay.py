@@ -192,13 +192,8 @@ SWEEP_CELLS = {(1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_992},
 SWEEP_CELLS_FIFO = {(1, 30, 1.0): 242_816, (2, 30, 0.83): 321_920}
 
 
-def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env, vllm_cpu_env):
-    import importlib.util
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "small_pool_sweep.py"
-    spec = importlib.util.spec_from_file_location("small_pool_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
+def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env, vllm_cpu_env,
+                                                     sweep):
     E = pressure_bench
     for (subset, checkpoints, multiple), want in SWEEP_CELLS.items():
         convs, w, pool, in_flight = sweep.cell_workload(subset, checkpoints, multiple)
@@ -214,9 +209,7 @@ def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env,
 # With vLLM's FIFO free order (ATOM_EVICTION_PRICE_WEIGHT=0, the queue not
 # replaced): the planner's figures there too (tests/test_planner_agreement.py).
 def test_vllms_order_keeps_the_planners_figures(pressure_bench, plugin_env, vllm_cpu_env,
-                                                elided_workload, monkeypatch):
-    import importlib.util
-    from pathlib import Path
+                                                elided_workload, monkeypatch, sweep):
     monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0")
     E = pressure_bench
     convs, w = elided_workload
@@ -225,10 +218,6 @@ def test_vllms_order_keeps_the_planners_figures(pressure_bench, plugin_env, vllm
     got = {p: sum(E.run_policy(p, convs, w.rounds, nb, w.max_model_len,
                                scheduler_only=True)["cached"]) for p in policies}
     assert got == {p: ELIDED_FIFO[p] for p in policies}
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "small_pool_sweep.py"
-    spec = importlib.util.spec_from_file_location("small_pool_sweep", path)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
     for (subset, checkpoints, multiple), want in SWEEP_CELLS_FIFO.items():
         convs, w, pool, in_flight = sweep.cell_workload(subset, checkpoints, multiple)
         run = E.run_policy("plugin", convs, w.rounds, pool + 1, w.max_model_len,
