@@ -295,7 +295,9 @@ def test_the_floors_pool_share_fades_in_above_the_line():
     from atom_hybrid_cache.core.policy import CheckpointPolicy
     from atom_hybrid_cache.core.pool_budget import floor_scale
     from atom_hybrid_cache.core.slot_share import SlotShare
-    policy = CheckpointPolicy(PlacementConfig(), block_size=128,
+    # (a set price weight: auto's fades with the share too,
+    # tests/test_priced_eviction.py)
+    policy = CheckpointPolicy(PlacementConfig(eviction_price_weight=0.0), block_size=128,
                               share=SlotShare(128 * 384, 384, 256), floor_fractions=(0.25,))
     seen = []
     for n in (2, 3, 4, 5):

@@ -36,10 +36,11 @@ def _cached(mod, convs, w, multiple, block, policies):
 
 
 # Each point with vLLM's FIFO free order (ATOM_EVICTION_PRICE_WEIGHT=0) and
-# priced (0.25); the default (auto) prices where a request slot's share of
-# the pool is under 32 checkpoints' worth: the elided workload and the two
-# sweep cells, not the scaled workload (50 a slot). vLLM's scheduler gives
-# the same (tests/e2e/test_scheduler_only_replay.py).
+# priced (0.25); the default (auto) prices in full where a request slot's
+# share of the pool is at most 32 checkpoints' worth: the elided workload
+# and the two sweep cells; the scaled workload (50 a slot) at the fade's
+# 0.25 x (1 - 18 / 88) (AUTO_FADED). vLLM's scheduler gives the same
+# (tests/e2e/test_scheduler_only_replay.py).
 FIFO = {"elided": {"native": 13_184, "plugin": 14_720, "plugin-ungated": 14_528},
         "scaled": {"native": 702_944, "plugin": 804_736},
         (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 242_816},
@@ -49,6 +50,7 @@ PRICED = {"elided": {"native": 13_184, "plugin": 15_936, "plugin-ungated": 15_42
           (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_992},
           (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 355_840}}
 AUTO_PRICED = {"elided", (1, 30, 1.0), (2, 30, 0.83)}
+AUTO_FADED = {"scaled": {"native": 702_944, "plugin": 816_288}}
 
 
 @pytest.fixture(params=["auto", "0", "0.25"])
@@ -57,7 +59,8 @@ def expected(request, monkeypatch):
     monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
     monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", request.param)
     if request.param == "auto":
-        return {k: (PRICED if k in AUTO_PRICED else FIFO)[k] for k in FIFO}
+        return {k: AUTO_FADED.get(k) or (PRICED if k in AUTO_PRICED else FIFO)[k]
+                for k in FIFO}
     return FIFO if request.param == "0" else PRICED
 
 

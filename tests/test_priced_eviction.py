@@ -192,16 +192,18 @@ def test_a_bad_weight_stops_start_up_naming_the_variable(raw):
         load_settings(None, server_defaults(), environ={"ATOM_EVICTION_PRICE_WEIGHT": raw})
 
 
-def test_auto_prices_where_a_slots_share_is_under_32_checkpoints():
-    """A checkpoint the KV of 384 tokens: a slot's share of 31 checkpoints'
-    worth is priced at 0.25, of 32 not; a set weight stands at any size."""
+def test_auto_prices_in_full_under_32_checkpoints_and_fades_out_by_120():
+    """A checkpoint the KV of 384 tokens: a slot's share of up to 32
+    checkpoints' worth is priced at 0.25, of 76 at half that, of 120 and
+    more not at all; a set weight stands at any size."""
     assert server_defaults().placement.eviction_price_weight is None
     for raw in ("auto", ""):
         settings = load_settings(None, server_defaults(),
                                  environ={"ATOM_EVICTION_PRICE_WEIGHT": raw})
         assert settings.placement.eviction_price_weight is None
-    assert resolved_weight(None, 31 * 384, 384) == 0.25
-    assert resolved_weight(None, 32 * 384, 384) == 0.0
+    assert [resolved_weight(None, n * 384, 384) for n in (9, 31, 32, 54, 76, 98, 120, 640)] \
+        == [0.25, 0.25, 0.25, 0.1875, 0.125, 0.0625, 0.0, 0.0]
+    assert resolved_weight(None, 31 * 384, 0) == 0.0     # a checkpoint's cost unknown
     assert resolved_weight(0.0, 31 * 384, 384) == 0.0
     assert resolved_weight(0.5, 320 * 384, 384) == 0.5
     # the policy carries the resolved weight; lru eviction has no units to price
@@ -215,19 +217,22 @@ def test_auto_prices_where_a_slots_share_is_under_32_checkpoints():
 
 def test_auto_prices_from_the_step_whose_requests_in_flight_leave_a_small_share():
     """124 checkpoints' worth, max_num_seqs 256: one request in flight holds
-    the whole pool, four hold 31 each (under 32), so the weight turns 0.25
-    at the step that sees a fourth, and stays when they leave."""
+    the whole pool (past the fade: no price), three 41.3 each (priced at
+    0.25 x (1 - 9.3 / 88)), four 31 each (under 32: 0.25): the weight moves
+    at the steps that see a third and a fourth, and stays when they
+    leave."""
     policy = CheckpointPolicy(server_defaults().placement, block_size=128,
                               share=SlotShare(124 * 384, 384, 256))
     assert policy.eviction_price_weight == 0.0
-    # (three in flight shrink the floors' pool share, not the weight)
+    three = 0.25 * (1 - (124 * 384 // 3 / 384 - 32) / 88)
     assert [(policy.observe_in_flight(n), policy.eviction_price_weight)
             for n in (1, 3, 3, 4, 2, 8)] == [
-        (False, 0.0), (True, 0.0), (False, 0.0), (True, 0.25), (False, 0.25), (False, 0.25)]
+        (False, 0.0), (True, three), (False, three), (True, 0.25), (False, 0.25),
+        (False, 0.25)]
     assert policy.eviction_price_weight == 0.25 and policy.kv_share_tokens == 8 * 744
-    # a pool whose share holds 32 checkpoints' worth at max_num_seqs never prices
+    # a pool whose share at max_num_seqs is the line's prices at the fade's top
     roomy = CheckpointPolicy(server_defaults().placement, block_size=128,
                              share=SlotShare(128 * 384, 384, 4))
     # (four in flight leave 32 a request: the floors' pool share goes, the
-    # weight stays 0)
-    assert roomy.observe_in_flight(4) and roomy.eviction_price_weight == 0.0
+    # weight is the fade's top)
+    assert roomy.observe_in_flight(4) and roomy.eviction_price_weight == 0.25

@@ -20,7 +20,7 @@ from .floor_ledger import FLOOR_MAX_POOL_SHARE
 from .placement import CheckpointTargets, plan_checkpoints, snap_interval
 from .pool_budget import (FLOOR_FADE_CHECKPOINTS, MIN_SLOT_CHECKPOINTS, floor_scale,
                           pool_checkpoints)
-from .priced_eviction import resolved_weight
+from .priced_eviction import PRICE_FADE_END_CHECKPOINTS, resolved_weight
 from .slot_share import SlotShare
 
 
@@ -108,9 +108,10 @@ class CheckpointPolicy:
     def observe_in_flight(self, in_flight: int) -> bool:
         """Before a scheduler step, `in_flight` requests (running and
         waiting) share the pool: whether what the share sizes changed (the
-        floors' pool share, `floor_max_pages`, as the share shrinks toward
-        the line; the placement, floors and price weight where it
-        just fell under the line, which the log says once)."""
+        floors' pool share, `floor_max_pages`, and auto's price weight as
+        the share shrinks toward the line; the placement, floors and price
+        weight where it just fell under the line, which the log says
+        once)."""
         if not self.share.observe(in_flight):
             return False
         # (what the last sizing saw: nothing more on the steps that change nothing)
@@ -120,7 +121,19 @@ class CheckpointPolicy:
             self._say_dropped(self.share.describe())
             return True
         self._size_floors()
-        return self.floor_scale != was_scale
+        return self._refit_weight() or self.floor_scale != was_scale
+
+    def _refit_weight(self) -> bool:
+        # auto's weight fades out above the line (`priced_eviction`): the
+        # steps that move the share within the fade move it
+        if not self.reuse_aware:
+            return False
+        weight = resolved_weight(self.configured.eviction_price_weight, self.share.tokens,
+                                 self.share.checkpoint_kv_tokens)
+        if weight == self.placement.eviction_price_weight:
+            return False
+        self.placement = dataclasses.replace(self.placement, eviction_price_weight=weight)
+        return True
 
     def describe_share(self) -> str:
         """The start-up log's account of what follows the requests in
@@ -138,8 +151,10 @@ class CheckpointPolicy:
                 f"spaced out under "
                 f"{MIN_SLOT_CHECKPOINTS + FLOOR_FADE_CHECKPOINTS} checkpoints' worth a "
                 f"request); from {line} (a share under "
-                f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth) off, and priced eviction on "
-                f"where ATOM_EVICTION_PRICE_WEIGHT is auto")
+                f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth) off; where "
+                f"ATOM_EVICTION_PRICE_WEIGHT is auto, eviction priced under "
+                f"{PRICE_FADE_END_CHECKPOINTS} checkpoints' worth a request, in full from "
+                f"{MIN_SLOT_CHECKPOINTS} down")
 
     @property
     def eviction_price_weight(self) -> float:

@@ -39,8 +39,13 @@ price tells which resumes the churn will cost, and it loses in larger pools
 (from about 100 checkpoints' worth a slot), where the FIFO already keeps a
 conversation's units and the prices only reorder what ages out. So
 `auto` (the default) prices where a slot's share is under the line the
-insurance states are on above (`pool_budget.MIN_SLOT_CHECKPOINTS`): one
-arithmetic, the two sides of it.
+insurance states are on above (`pool_budget.MIN_SLOT_CHECKPOINTS`), and
+fades out above it: AUTO_PRICE_WEIGHT at the line falling in a straight
+line to none at PRICE_FADE_END_CHECKPOINTS a slot. A share just above the
+line holds the round with a few pages to spare under native and the
+insurance states take them (BENCHMARKS.md, "The knee"): the prices then
+decide which unit a cut takes, where the FIFO takes the oldest whatever it
+costs.
 
 Pages are ints (vLLM's block ids in the adapter, `vllm/priced_free_queue.py`;
 the planner's pages in `page_pool.PagePool`): one order for both.
@@ -52,7 +57,7 @@ from collections import OrderedDict
 from heapq import heappop, heappush
 from typing import Iterable, Optional, Sequence
 
-from .pool_budget import slot_under_minimum
+from .pool_budget import MIN_SLOT_CHECKPOINTS
 
 # `_where[page]` of a page at the head end (no indexed content)
 _FRONT = -1
@@ -60,18 +65,24 @@ _FRONT = -1
 # ATOM_EVICTION_PRICE_WEIGHT=auto where a request slot's share of the pool
 # is under MIN_SLOT_CHECKPOINTS checkpoints' worth
 AUTO_PRICE_WEIGHT = 0.25
+# ... falling to none at this share (checkpoints' worth a slot)
+PRICE_FADE_END_CHECKPOINTS = 120
 
 
 def resolved_weight(setting: Optional[float], kv_share_tokens: int,
                     checkpoint_kv_tokens: int) -> float:
     """The weight a pool runs: `setting`, or for auto (None)
     AUTO_PRICE_WEIGHT where a request slot's share (`kv_share_tokens`)
-    holds fewer than MIN_SLOT_CHECKPOINTS checkpoints of
-    `checkpoint_kv_tokens`, else 0."""
+    holds at most MIN_SLOT_CHECKPOINTS checkpoints of
+    `checkpoint_kv_tokens`, none from PRICE_FADE_END_CHECKPOINTS, a
+    straight line between (none where a checkpoint's cost is unknown)."""
     if setting is not None:
         return float(setting)
-    return AUTO_PRICE_WEIGHT if slot_under_minimum(kv_share_tokens, checkpoint_kv_tokens) \
-        else 0.0
+    if not checkpoint_kv_tokens:
+        return 0.0
+    above = kv_share_tokens / checkpoint_kv_tokens - MIN_SLOT_CHECKPOINTS
+    fade = PRICE_FADE_END_CHECKPOINTS - MIN_SLOT_CHECKPOINTS
+    return AUTO_PRICE_WEIGHT * min(1.0, max(0.0, 1.0 - above / fade))
 
 
 def pages_per_token(setting: float, num_pages: int, page_tokens: int) -> float:

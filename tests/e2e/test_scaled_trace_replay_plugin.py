@@ -47,7 +47,7 @@ ORACLE_REUSABLE = 860_393
 # before the server's cold checkpoints (config.SERVER_COLD_FRACTIONS), 782,368
 # before its floor states (config.SERVER_FLOOR_FRACTIONS), 783,904 before
 # its admission gate (config.SERVER_ADMISSION_GATE)
-PLUGIN_CACHED = 804_736
+PLUGIN_CACHED = 816_288
 # float32 noise of another chunking on an output token's logprob (measured:
 # none at four decimals; zeroed states move it by about 1.5)
 FP32_LOGPROB_TOL = 1e-3
