@@ -13,11 +13,12 @@ the model over workloads or start `vllm serve` (tens of seconds each).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+
+from benchmark_modules import load_benchmark
 
 _HERE = Path(__file__).resolve().parent
 _BY_FOLDER = {_HERE / "vllm": "vllm", _HERE / "kernels": "unit", _HERE: "unit"}
@@ -51,8 +52,4 @@ def _plugin_settings_restored():
 def sweep():
     """benchmarks/small_pool_sweep.py as a module: the tests that pin its
     cells build their workloads with it."""
-    spec = importlib.util.spec_from_file_location(
-        "small_pool_sweep", _HERE.parent / "benchmarks" / "small_pool_sweep.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("small_pool_sweep")

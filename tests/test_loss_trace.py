@@ -4,13 +4,9 @@ counts a conversation's lost states."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from benchmark_modules import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "loss_trace.py"
-_spec = importlib.util.spec_from_file_location("loss_trace", _PATH)
-LT = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(LT)
+LT = load_benchmark("loss_trace")
 
 A = LT.Admission
 E = LT.Eviction

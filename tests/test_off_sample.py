@@ -3,13 +3,9 @@ replays a sample of the requests, and the sample comes back in send order."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
+from benchmark_modules import load_benchmark
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "e2e_pressure.py"
-_spec = importlib.util.spec_from_file_location("e2e_pressure_sample", _PATH)
-E = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(E)
+E = load_benchmark("e2e_pressure")
 
 # three rounds, requests as (conversation, index); send order is the flat list
 ROUNDS = [[(0, 0), (1, 0), (2, 0)], [(0, 1), (1, 1)], [(2, 1)]]

@@ -8,23 +8,14 @@ against vLLM's scheduler").
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+from benchmark_modules import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def agreement():
-    if str(BENCH) not in sys.path:
-        sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("planner_agreement",
-                                                  BENCH / "planner_agreement.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load_benchmark("planner_agreement")
     if not mod.E.DEFAULT_TRACE_DIR.is_dir():
         pytest.skip(f"shared cc traces not available in {mod.E.DEFAULT_TRACE_DIR}")
     return mod

@@ -188,13 +188,8 @@ def tiny_llm(vllm_cpu_env, tiny_model_path):
 def pressure_bench():
     """benchmarks/e2e_pressure.py as a module: the trace workload, the budget
     rule and the policies the e2e replay tests share with the benchmark."""
-    import importlib.util
-    path = _HERE.parents[1] / "benchmarks" / "e2e_pressure.py"
-    spec = importlib.util.spec_from_file_location("e2e_pressure", path)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("e2e_pressure", mod)
-    spec.loader.exec_module(mod)
-    return mod
+    from benchmark_modules import load_benchmark
+    return load_benchmark("e2e_pressure")
 
 
 @pytest.fixture(scope="session")

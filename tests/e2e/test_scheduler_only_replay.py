@@ -140,14 +140,8 @@ ELIDED_PLUGIN_SPLIT = {"oracle": 20_099, "cached": 14_720, "kv_cut": 3_843,
 def test_the_loss_tracer_watches_without_changing_the_replay(pressure_bench, plugin_env,
                                                             vllm_cpu_env, elided_workload,
                                                             monkeypatch):
-    import importlib.util
-    import sys
-    from pathlib import Path
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "loss_trace.py"
-    spec = importlib.util.spec_from_file_location("loss_trace", path)
-    LT = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("loss_trace", LT)
-    spec.loader.exec_module(LT)
+    from benchmark_modules import load_benchmark
+    LT = load_benchmark("loss_trace")
     from vllm.v1.core.block_pool import BlockPool
     untraced_evict = BlockPool._maybe_evict_cached_block
 
