@@ -15,7 +15,7 @@ prompt flips near-tie outputs, and by how much depends on the CPU's bf16
 path (AVX-512-BF16 or AMX against emulation), so a test there cannot hold
 outputs to caching off's; in float32 it can (BENCHMARKS.md, "Outputs in
 float32"). (Native's figure on this workload, 702,944 against the plugin's
-804,736, is pinned without the model in ``test_scheduler_only_replay.py``:
+816,288, is pinned without the model in ``test_scheduler_only_replay.py``:
 the cached counts do not depend on the forward.)
 
 Asserted:
@@ -46,7 +46,8 @@ ORACLE_REUSABLE = 860_393
 # 781,152 before the release kept states at the retain fractions, 783,360
 # before the server's cold checkpoints (config.SERVER_COLD_FRACTIONS), 782,368
 # before its floor states (config.SERVER_FLOOR_FRACTIONS), 783,904 before
-# its admission gate (config.SERVER_ADMISSION_GATE)
+# its admission gate (config.SERVER_ADMISSION_GATE), 804,736 before priced
+# eviction faded out above the line (599 blocks: 50 checkpoints' worth a slot)
 PLUGIN_CACHED = 816_288
 # float32 noise of another chunking on an output token's logprob (measured:
 # none at four decimals; zeroed states move it by about 1.5)
