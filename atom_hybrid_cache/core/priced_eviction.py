@@ -63,7 +63,7 @@ from .pool_budget import MIN_SLOT_CHECKPOINTS
 _FRONT = -1
 
 # ATOM_EVICTION_PRICE_WEIGHT=auto where a request slot's share of the pool
-# is under MIN_SLOT_CHECKPOINTS checkpoints' worth
+# holds up to MIN_SLOT_CHECKPOINTS checkpoints' worth
 AUTO_PRICE_WEIGHT = 0.25
 # ... falling to none at this share (checkpoints' worth a slot)
 PRICE_FADE_END_CHECKPOINTS = 120
