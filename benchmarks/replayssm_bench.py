@@ -9,7 +9,9 @@
 2. ``planner``: the replay planner (`atom-hybrid-cache replay`, the same
    placement and eviction code as the plugin) at k = 1, 3, 7, 1 + k slots
    against ``--replayssm``, on the shared cc traces at budgets where the pool
-   binds: prefix hit rate and KV blocks.
+   binds: prefix hit rate and KV blocks. Its ``separate-pools`` model: the
+   shared-pool ``default`` holds one state per running request and so does
+   not model the 1 + k slots (`replay.policies.check_speculation`).
 3. ``vllm``: the tiny model in vLLM 0.32 CPU (float32, the plugin's torch
    core): vLLM's ``num_gpu_blocks`` and state pages per request from each
    engine's specs at k = 1, 3, 7, and the CPU time per decode step of both
@@ -99,11 +101,13 @@ def planner_part(points) -> list:
             block_size=64, max_requests=None))
         for k in KS:
             for replayssm in (False, True):
+                # separate-pools: the planner's model that counts a running
+                # request's 1 + k states (the shared pool's counts one)
                 results = compare(workload, GEOMETRY_PRESETS[model], memory_gib=gib,
-                                  policies=["default", "kv-only-ceiling"], headroom=None,
+                                  policies=["separate-pools", "kv-only-ceiling"], headroom=None,
                                   placement=load_settings().placement, num_spec=k, jobs=2,
                                   replayssm=replayssm)
-                r = {x.policy: x for x in results}["default"]
+                r = {x.policy: x for x in results}["separate-pools"]
                 rows.append(dict(model=model, concurrency=concurrency, memory_gib=gib, k=k,
                                  mode="replayssm" if replayssm else "slots",
                                  hit=round(r.hit_rate, 4),

@@ -110,3 +110,22 @@ def test_the_plugins_pool_hashes_on_the_unit_the_plugin_asks_vllm_for(tmp_path, 
     assert (native["extra"]["page_tokens"], native["extra"]["hash_unit"]) == (400, 400)
     assert round(default["hit_rate"] * default["prompt_tokens"]) == 413_450
     assert "prefix hash unit (tokens): default 50, vllm-align 400;" in capsys.readouterr().out
+
+
+def test_speculation_leaves_out_the_pools_that_hold_one_state_a_request(tmp_path, capsys):
+    """With --num-spec and 1 + k slots, `default` and `vllm-align` (vLLM's
+    one page pool, a running request holding one state there) would count
+    none of the k working states: 'all' leaves them out and says so,
+    naming them refuses."""
+    res = _run(tmp_path, "--num-spec", "3")
+    assert sorted(res) == ["kv-only-ceiling", "ladder-8192", "no-state-cache", "separate-pools",
+                           "simple"]
+    assert ("note: with --num-spec 3 (1 + k slots) the policies over vLLM's one page pool "
+            "(default, vllm-align) are left out") in capsys.readouterr().out
+    assert main(["replay", "--no-progress", "--policies", "default", "--num-spec", "3"]) == 2
+    err = capsys.readouterr().err
+    assert ("--num-spec 3: default model one state per running request, not 1 + 3; with "
+            "1 + k slots use --policies separate-pools") in err
+    # ReplaySSM's one (larger) state a request is what the shared pool models
+    res = _run(tmp_path, "--policies", "default", "--num-spec", "3", "--replayssm")
+    assert sorted(res) == ["default", "kv-only-ceiling"]

@@ -31,6 +31,21 @@ from ..core.replay_pool_config import ReplayPoolConfig
 
 POLICY_NAMES = ("default", "separate-pools", "kv-only-ceiling", "no-state-cache", "ladder-8192",
                 "simple", "vllm-align")
+# the policies over vLLM's one page pool (core/shared_pool_manager.py): a
+# running request holds one state there, so speculative decoding's 1 + k
+# working states are not modelled (ReplaySSM's one larger state is)
+SHARED_POOL_POLICIES = ("default", "vllm-align")
+
+
+def check_speculation(names: list[str], num_spec: int, replayssm: bool) -> None:
+    """Refuse the shared-pool policies where a running request would hold
+    1 + `num_spec` states: they would count one and overstate the hits."""
+    shared = [n for n in names if n in SHARED_POOL_POLICIES]
+    if num_spec and not replayssm and shared:
+        raise ValueError(
+            f"--num-spec {num_spec}: {', '.join(shared)} model one state per running request, "
+            f"not 1 + {num_spec}; with 1 + k slots use --policies separate-pools (or "
+            f"--replayssm: one state a request)")
 
 
 @dataclass(frozen=True)
