@@ -15,7 +15,9 @@ from __future__ import annotations
 import logging
 from typing import Iterator, Optional, Sequence
 
-from ..core.priced_eviction import AUTO_PRICE_WEIGHT, PricedFreeOrder, pages_per_token
+from ..core.pool_budget import MIN_SLOT_CHECKPOINTS
+from ..core.priced_eviction import (AUTO_PRICE_WEIGHT, PRICE_FADE_END_CHECKPOINTS,
+                                    PricedFreeOrder, pages_per_token)
 
 logger = logging.getLogger("atom_hybrid_cache")
 
@@ -93,14 +95,15 @@ def install_priced_queue(pool, setting: Optional[float], page_tokens: int,
     priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(),
                                   pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens))
     pool.free_block_queue = priced
-    full = AUTO_PRICE_WEIGHT if setting is None else setting
     logger.info("atom_hybrid_cache: priced eviction: a freed unit whose loss would cost a "
-                "resume every token of its pages stays %g pages (%g x the pool) longer in the "
-                "free queue, cheaper units less, KV above every state none "
+                "resume every token of its pages stays %g pages (%g x the pool, at the share now) "
+                "longer in the free queue, cheaper units less, KV above every state none "
                 "(ATOM_EVICTION_PRICE_WEIGHT=%s; auto: %g where a request slot's share of the "
-                "pool holds under 32 checkpoints' worth, else vLLM's FIFO; 0: vLLM's FIFO)",
-                round(pages_per_token(full, pool.num_gpu_blocks, page_tokens) * page_tokens),
-                full, "auto" if setting is None else f"{setting:g}", AUTO_PRICE_WEIGHT)
+                "pool holds up to %d checkpoints' worth, fading to vLLM's FIFO at %d; 0: "
+                "vLLM's FIFO)",
+                round(pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens) * page_tokens),
+                weight_now, "auto" if setting is None else f"{setting:g}", AUTO_PRICE_WEIGHT,
+                MIN_SLOT_CHECKPOINTS, PRICE_FADE_END_CHECKPOINTS)
     return priced
 
 

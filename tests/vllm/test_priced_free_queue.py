@@ -79,7 +79,9 @@ def test_vllms_pool_with_the_priced_queue_is_the_planners(seed, caplog):
         queue = _priced_queue(pool, 1.0, page_tokens=N)
     assert pool.free_block_queue is queue
     assert ("a freed unit whose loss would cost a resume every token of its pages stays 40 "
-            "pages (1 x the pool) longer") in caplog.text
+            "pages (1 x the pool, at the share now) longer") in caplog.text
+    assert ("auto: 0.25 where a request slot's share of the pool holds up to 32 checkpoints' "
+            "worth, fading to vLLM's FIFO at 120") in caplog.text
     priced = _replay(seed, pool, PagePool(N, price_weight=1.0))
     # vLLM's own queue gives the FIFO: another order for the same calls
     fifo = _replay(seed, BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16),
