@@ -53,13 +53,19 @@ def slot_under_minimum(kv_share_tokens: int, checkpoint_kv_tokens: int) -> bool:
         kv_share_tokens < MIN_SLOT_CHECKPOINTS * checkpoint_kv_tokens)
 
 
-def floor_scale(kv_share_tokens: int, checkpoint_kv_tokens: int) -> float:
-    """How much of their pool share the floors may take, 0 to 1: 0 where a
-    request slot's share (`kv_share_tokens` of KV) holds at most
-    MIN_SLOT_CHECKPOINTS checkpoints of `checkpoint_kv_tokens`, 1 from
-    FLOOR_FADE_CHECKPOINTS more, linear between (1 when a checkpoint's cost
-    is unknown)."""
+def past_line(kv_share_tokens: int, checkpoint_kv_tokens: int, width: float) -> float:
+    """How far past the line a request slot's share (`kv_share_tokens` of
+    KV) stands, 0 to 1: 0 where it holds at most MIN_SLOT_CHECKPOINTS
+    checkpoints of `checkpoint_kv_tokens`, 1 from `width` more, linear
+    between (1 when a checkpoint's cost is unknown). The fades above the
+    line (the floors', priced eviction's) run on it."""
     if not checkpoint_kv_tokens:
         return 1.0
     above = kv_share_tokens / checkpoint_kv_tokens - MIN_SLOT_CHECKPOINTS
-    return min(1.0, max(0.0, above / FLOOR_FADE_CHECKPOINTS))
+    return min(1.0, max(0.0, above / width))
+
+
+def floor_scale(kv_share_tokens: int, checkpoint_kv_tokens: int) -> float:
+    """How much of their pool share the floors may take, 0 to 1: none at the
+    line, all of it FLOOR_FADE_CHECKPOINTS above (`past_line`)."""
+    return past_line(kv_share_tokens, checkpoint_kv_tokens, FLOOR_FADE_CHECKPOINTS)

@@ -57,7 +57,7 @@ from collections import OrderedDict
 from heapq import heappop, heappush
 from typing import Iterable, Optional, Sequence
 
-from .pool_budget import MIN_SLOT_CHECKPOINTS
+from .pool_budget import MIN_SLOT_CHECKPOINTS, past_line
 
 # `_where[page]` of a page at the head end (no indexed content)
 _FRONT = -1
@@ -78,11 +78,8 @@ def resolved_weight(setting: Optional[float], kv_share_tokens: int,
     straight line between (none where a checkpoint's cost is unknown)."""
     if setting is not None:
         return float(setting)
-    if not checkpoint_kv_tokens:
-        return 0.0
-    above = kv_share_tokens / checkpoint_kv_tokens - MIN_SLOT_CHECKPOINTS
-    fade = PRICE_FADE_END_CHECKPOINTS - MIN_SLOT_CHECKPOINTS
-    return AUTO_PRICE_WEIGHT * min(1.0, max(0.0, 1.0 - above / fade))
+    return AUTO_PRICE_WEIGHT * (1.0 - past_line(kv_share_tokens, checkpoint_kv_tokens,
+                                                PRICE_FADE_END_CHECKPOINTS - MIN_SLOT_CHECKPOINTS))
 
 
 def pages_per_token(setting: float, num_pages: int, page_tokens: int) -> float:

@@ -37,11 +37,19 @@ POLICY_NAMES = ("default", "separate-pools", "kv-only-ceiling", "no-state-cache"
 SHARED_POOL_POLICIES = ("default", "vllm-align")
 
 
+def unmodelled_speculation(names: list[str], num_spec: int, replayssm: bool) -> list[str]:
+    """Those of `names` that cannot run where a running request holds 1 +
+    `num_spec` states: the shared-pool ones would count one."""
+    if not num_spec or replayssm:
+        return []
+    return [n for n in names if n in SHARED_POOL_POLICIES]
+
+
 def check_speculation(names: list[str], num_spec: int, replayssm: bool) -> None:
-    """Refuse the shared-pool policies where a running request would hold
-    1 + `num_spec` states: they would count one and overstate the hits."""
-    shared = [n for n in names if n in SHARED_POOL_POLICIES]
-    if num_spec and not replayssm and shared:
+    """Refuse `unmodelled_speculation`'s policies: they would overstate the
+    hits."""
+    shared = unmodelled_speculation(names, num_spec, replayssm)
+    if shared:
         raise ValueError(
             f"--num-spec {num_spec}: {', '.join(shared)} model one state per running request, "
             f"not 1 + {num_spec}; with 1 + k slots use --policies separate-pools (or "

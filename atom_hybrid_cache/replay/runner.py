@@ -14,8 +14,8 @@ from ..core.manager import HybridCacheManager, Request
 from ..core.replay_pool_config import DEFAULT_HEADROOM_PER_SEQ
 from ..core.shared_pool_manager import SharedPoolManager
 from ..core.shared_pool_shape import SharedPoolShape
-from .policies import (SHARED_POOL_POLICIES, PolicySpec, build_policies, check_speculation,
-                       parse_policy_names)
+from .policies import (PolicySpec, build_policies, check_speculation, parse_policy_names,
+                       unmodelled_speculation)
 from .report import PolicyResult, format_table, plot_sweep, write_json
 from .client_clock import DECODE_S_PER_STEP, MAX_THINK_S, PREFILL_S_PER_TOKEN, ClientClock
 from .simulator import SimSettings, SimTotals, simulate
@@ -223,10 +223,11 @@ def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[s
 def run_replay(args) -> int:
     t0 = time.perf_counter()
     names = parse_policy_names(",".join(args.policies))
-    if args.policies == ["all"] and args.num_spec and not args.replayssm:
-        names = [n for n in names if n not in SHARED_POOL_POLICIES]
+    left_out = unmodelled_speculation(names, args.num_spec, args.replayssm)
+    if args.policies == ["all"] and left_out:
+        names = [n for n in names if n not in left_out]
         print(f"note: with --num-spec {args.num_spec} (1 + k slots) the policies over vLLM's one "
-              f"page pool ({', '.join(SHARED_POOL_POLICIES)}) are left out: they model one "
+              f"page pool ({', '.join(left_out)}) are left out: they model one "
               f"state per running request")
     workload, geometry = load_workload(args)
     placement = placement_from_args(args)

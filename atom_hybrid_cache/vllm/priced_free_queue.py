@@ -92,8 +92,8 @@ def install_priced_queue(pool, setting: Optional[float], page_tokens: int,
         return None
     if weight_now is None:
         weight_now = setting or 0.0
-    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(),
-                                  pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens))
+    weight_pages = pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens)
+    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(), weight_pages)
     pool.free_block_queue = priced
     logger.info("atom_hybrid_cache: priced eviction: a freed unit whose loss would cost a "
                 "resume every token of its pages stays %g pages (%g x the pool, at the share now) "
@@ -101,7 +101,7 @@ def install_priced_queue(pool, setting: Optional[float], page_tokens: int,
                 "(ATOM_EVICTION_PRICE_WEIGHT=%s; auto: %g where a request slot's share of the "
                 "pool holds up to %d checkpoints' worth, fading to vLLM's FIFO at %d; 0: "
                 "vLLM's FIFO)",
-                round(pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens) * page_tokens),
+                round(weight_pages * page_tokens),
                 weight_now, "auto" if setting is None else f"{setting:g}", AUTO_PRICE_WEIGHT,
                 MIN_SLOT_CHECKPOINTS, PRICE_FADE_END_CHECKPOINTS)
     return priced
