@@ -65,8 +65,11 @@ class TokenSource:
         return [tuple(p[j * block_size:(j + 1) * block_size]) for j in range(n)], len(p)
 
 
-def planner_cached(policy: str, convs, num_pages: int, block: int, in_flight: int) -> int:
-    """Cached tokens of the planner's model of `policy` on this workload."""
+def planner_cached(policy: str, convs, num_pages: int, block: int, in_flight: int,
+                   speculative_state_pages: int = 0) -> int:
+    """Cached tokens of the planner's model of `policy` on this workload
+    (`speculative_state_pages`: vLLM's num_speculative_blocks, k with
+    speculative decoding's 1 + k states)."""
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
     from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
@@ -82,7 +85,8 @@ def planner_cached(policy: str, convs, num_pages: int, block: int, in_flight: in
     gate = E._gate_setting(policy) or settings.server.admission_gate
     shape = SharedPoolShape(num_pages=num_pages, page_tokens=block, hash_unit=unit,
                             pages_per_state=STATE_GROUPS, max_num_seqs=in_flight,
-                            step_tokens=STEP_TOKENS)
+                            step_tokens=STEP_TOKENS,
+                            speculative_state_pages=speculative_state_pages)
     mgr = SharedPoolManager(shape, settings.placement,
                             floor_fractions=settings.server.floor_fractions, plugin=plugin,
                             admission_gate=gate)

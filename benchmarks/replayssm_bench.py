@@ -9,9 +9,10 @@
 2. ``planner``: the replay planner (`atom-hybrid-cache replay`, the same
    placement and eviction code as the plugin) at k = 1, 3, 7, 1 + k slots
    against ``--replayssm``, on the shared cc traces at budgets where the pool
-   binds: prefix hit rate and KV blocks. Its ``separate-pools`` model: the
-   shared-pool ``default`` holds one state per running request and so does
-   not model the 1 + k slots (`replay.policies.check_speculation`).
+   binds: prefix hit rate and KV pages. Its ``default`` model: the plugin
+   over vLLM's one page pool, a running request holding k scratch state
+   pages a group with 1 + k states (checked against vLLM's scheduler in the
+   ``pressure`` part).
 3. ``vllm``: the tiny model in vLLM 0.32 CPU (float32, the plugin's torch
    core): vLLM's ``num_gpu_blocks`` and state pages per request from each
    engine's specs at k = 1, 3, 7, and the CPU time per decode step of both
@@ -25,6 +26,9 @@
    to 8 tokens per id, 4 in flight, `max_tokens=1`). The worker's forward
    does not run, so the baseline's align-mode copies (Triton) are never
    needed; what differs is the state pages each running request holds.
+   Beside each, the planner's model of the same point
+   (`planner_agreement.planner_cached`: k scratch state pages a running
+   request with 1 + k states, none with ReplaySSM).
 
 Usage: python benchmarks/replayssm_bench.py [--parts geometry,planner,vllm,pressure]
        [--json benchmarks/results/replayssm.json]
@@ -101,13 +105,14 @@ def planner_part(points) -> list:
             block_size=64, max_requests=None))
         for k in KS:
             for replayssm in (False, True):
-                # separate-pools: the planner's model that counts a running
-                # request's 1 + k states (the shared pool's counts one)
+                # default: the plugin over vLLM's one page pool, a running
+                # request holding k scratch state pages a group with 1 + k
+                # states (core/shared_pool_manager.py)
                 results = compare(workload, GEOMETRY_PRESETS[model], memory_gib=gib,
-                                  policies=["separate-pools", "kv-only-ceiling"], headroom=None,
+                                  policies=["default", "kv-only-ceiling"], headroom=None,
                                   placement=load_settings().placement, num_spec=k, jobs=2,
                                   replayssm=replayssm)
-                r = {x.policy: x for x in results}["separate-pools"]
+                r = {x.policy: x for x in results}["default"]
                 rows.append(dict(model=model, concurrency=concurrency, memory_gib=gib, k=k,
                                  mode="replayssm" if replayssm else "slots",
                                  hit=round(r.hit_rate, 4),
@@ -198,6 +203,8 @@ def pressure_part(multiples=(1.25, 1.0, 0.83, 0.5)) -> list:
     E = importlib.util.module_from_spec(spec)
     sys.modules.setdefault("e2e_pressure", E)
     spec.loader.exec_module(E)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import planner_agreement as A    # (its e2e_pressure: the module above)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     convs = E.build_workload(E.traces_fitting(64000), 0, tokens_per_id=8)
     w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
@@ -217,6 +224,11 @@ def pressure_part(multiples=(1.25, 1.0, 0.83, 0.5)) -> list:
                                                        "prompt_lookup_min": 2})
                 row[f"{mode}_cached"] = sum(out["cached"])
                 row[f"{mode}_ratio"] = round(row[f"{mode}_cached"] / oracle, 4)
+                # the planner's model of the same point: k scratch state
+                # pages a running request (none with ReplaySSM)
+                row[f"{mode}_planner"] = A.planner_cached(
+                    "plugin", convs, nb, E.BLOCK_SIZE, 4,
+                    speculative_state_pages=k if mode == "slots" else 0)
             rows.append(row)
             print(row, flush=True)
     os.environ.pop("ATOM_ENABLE_REPLAYSSM", None)

@@ -97,3 +97,16 @@ def test_floors_stay_within_their_share():
     assert ledger.release("a") == [(448, [1, 2, 3])] and ledger.held_pages == 0
     assert ledger.take("b", [(192, [4, 5])]) == [(192, [4, 5])]
     assert ledger.release("unknown") == []
+
+
+def test_an_admission_counts_a_state_groups_speculative_scratch_pages():
+    """pages_to_admit: 5 pages of 16-token KV past a 32-token hit of 112
+    tokens, and in each of two state groups the written state and the
+    prompt-end copy, plus its 3 scratch pages where speculation holds 1 + 3
+    states; a running prefill holds them already (pages_to_finish)."""
+    from atom_hybrid_cache.core.admission import PageGroup, pages_to_admit, pages_to_finish
+    plain = [PageGroup(True, 16), PageGroup(True, 16), PageGroup(False, 16)]
+    speculative = [PageGroup(True, 16, 3), PageGroup(True, 16, 3), PageGroup(False, 16)]
+    assert pages_to_admit(plain, 112, 32) == 5 + 2 * 2
+    assert pages_to_admit(speculative, 112, 32) == 5 + 2 * (2 + 3)
+    assert pages_to_finish(speculative, 112, 48, lambda g: 3) == 4 + 2 * 1

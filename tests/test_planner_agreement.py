@@ -102,3 +102,28 @@ def test_a_hash_unit_inside_the_page(agreement, expected, sweep):
         cell = dict(pool_pages=pool, in_flight=in_flight)
         got = {p: sweep.planner_cached(p, convs, w, cell) for p in want}
         assert got == want, (subset, checkpoints, multiple)
+
+
+# Speculative decoding with 1 + k states (n-gram drafts, vLLM's align mode:
+# k scratch pages a state group from a request's admission to its release),
+# the scaled workload in 128-token pages (replayssm_bench.py's pressure
+# part), the defaults: (pool / live, k) -> cached tokens, vLLM's scheduler's
+# (tests/e2e/test_scheduler_only_replay.py). Counting one state a running
+# request the planner gave the k = 0 figures (812,928 at 0.83x, 848,576 at
+# 1.0x); without the gate counting the scratch pages, 651,840 and 703,168
+# (vLLM's scheduler the same, before the gate counted them).
+SPECULATIVE = {(0.83, 3): 715_136, (1.0, 7): 731_328}
+
+
+def test_speculative_decodings_scratch_states(agreement, monkeypatch):
+    monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
+    monkeypatch.delenv("ATOM_EVICTION_PRICE_WEIGHT", raising=False)
+    E = agreement.E
+    convs = E.build_workload(E.traces_fitting(64000), 0, tokens_per_id=8)
+    w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
+    got = {}
+    for multiple, k in SPECULATIVE:
+        pages = E.budget_blocks(multiple, w.working_set, w.single_request)
+        got[multiple, k] = agreement.planner_cached("plugin", convs, pages, E.BLOCK_SIZE, 4,
+                                                    speculative_state_pages=k)
+    assert got == SPECULATIVE

@@ -329,3 +329,27 @@ def test_an_overdue_request_takes_its_room_from_the_held_prefixes():
     assert mgr.window._decision.pinned == [4, 2, 1]
     adm = mgr.admit(c, 64)
     assert adm is not None and adm.hit_tokens == 0 and mgr.step_gated()
+
+
+def _speculative_manager(num_pages, k):
+    shape = SharedPoolShape(num_pages=num_pages, page_tokens=PAGE, hash_unit=UNIT,
+                            pages_per_state=1, max_num_seqs=1, speculative_state_pages=k)
+    return SharedPoolManager(shape, SPAN_ONLY)
+
+
+def test_speculation_holds_k_scratch_states_from_admission_to_release():
+    """With 1 + k states (vLLM's align mode, num_speculative_blocks = k = 2)
+    C's admission takes its first chunk's pages and 2 scratch pages: in 4
+    free pages it does not fit (it does without them); in 8 the scratch
+    pages 3 and 4 stay taken through the prefill and go back uncached, to
+    the head of the free queue, at the release."""
+    assert _speculative_manager(5, 0).admit(_request("c", C), 1000) is not None
+    assert _speculative_manager(5, 2).admit(_request("c", C), 1000) is None
+    mgr = _speculative_manager(9, 2)
+    req = _request("c", C)
+    mgr.admit(req, 1000)
+    while req.num_computed < req.prompt_len:
+        mgr.prefill_done(req, mgr.next_chunk(req, 1000))
+    assert mgr.pool.free_order.in_order() == [5, 6, 7, 8]
+    mgr.finish(req)
+    assert mgr.pool.free_order.in_order() == [3, 4, 5, 6, 7, 8, 2, 1]

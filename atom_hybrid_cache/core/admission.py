@@ -4,7 +4,8 @@ requests up and pins the pages; what goes and what waits is decided here).
 
 Pages are counted per KV cache group: an attention group needs a page per
 block of tokens beyond what the request holds, a state group a fixed number
-of pages per prefill.
+of pages per prefill (and, with speculative decoding's 1 + k states, the k
+scratch pages an admitted request takes with its first chunk).
 """
 
 from __future__ import annotations
@@ -26,14 +27,18 @@ class PageGroup:
 
     state: bool
     block_size: int
+    # a state group's scratch pages for speculative decoding (vLLM's
+    # `num_speculative_blocks` in align mode), taken at admission
+    speculative_pages: int = 0
 
 
 def prefill_pages(groups: Sequence[PageGroup], tokens: int, held: Callable[[int], int],
-                  state_pages: int) -> int:
+                  state_pages: int, admitting: bool = False) -> int:
     """Pages a prefill to `tokens` still takes: in each attention group those
     beyond the `held(group index)` it has, in each state group
-    `state_pages`."""
-    return sum(state_pages if g.state else max(0, -(-tokens // g.block_size) - held(i))
+    `state_pages` (and its scratch pages where `admitting`)."""
+    return sum(state_pages + admitting * g.speculative_pages if g.state
+               else max(0, -(-tokens // g.block_size) - held(i))
                for i, g in enumerate(groups))
 
 
@@ -52,7 +57,7 @@ def pages_to_admit(groups: Sequence[PageGroup], tokens: int, hit: int) -> int:
     """Pages the whole prefill of a `tokens`-long request takes beyond its
     `hit` tokens."""
     return prefill_pages(groups, tokens, lambda i: hit // groups[i].block_size,
-                         STATE_PAGES_PER_ADMISSION)
+                         STATE_PAGES_PER_ADMISSION, admitting=True)
 
 
 @dataclass

@@ -28,3 +28,7 @@ class HeldRequest:
     last_col: Optional[int] = None
     # the running pages hold a mid-page state (`running_pos`)
     mid_page_running: bool = False
+    # speculative decoding's scratch states (`SharedPoolShape.speculative_state_pages`
+    # a group): no indexed content, vLLM relocates them down the block table
+    # rather than take more
+    scratch: list = field(default_factory=list)

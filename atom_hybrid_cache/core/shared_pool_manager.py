@@ -21,14 +21,16 @@ What the plugin does in vLLM, and this model with it:
   copy page unless the hash unit is finer than the page, states then KV
   freed tail first): the same model's check against native vLLM;
 - admission as vLLM's: only where the whole prompt's KV fits beside a state
-  page per group, taking the first chunk's pages; later chunks take theirs
+  page per group (and speculation's k scratch pages, held to the release:
+  `SharedPoolShape.speculative_state_pages`), taking the first chunk's
+  pages; later chunks take theirs
   (`reserve_chunk`), and the simulator preempts where they do not fit;
 - vLLM's `remove_skipped_blocks`: a prefill's state two chunk ends back is
   freed before the room for its next chunk is counted.
 
 Left out (see BENCHMARKS.md, "The planner against vLLM's scheduler"):
-hits-first admission order, `cached_blocks_this_step`, speculative
-decoding, more than one attention group.
+hits-first admission order, `cached_blocks_this_step`, the KV of draft
+tokens (a page at most a running request), more than one attention group.
 
 The interface is `manager.HybridCacheManager`'s, so `replay.simulator`
 drives either.
@@ -192,7 +194,8 @@ class SharedPoolManager:
         whole_kv = -(-L // P) - hit // P
         pool = self.pool
         evictable = len({p for p in src + (hit_state or []) if pool.ref_cnt[p] == 0})
-        whole_states = self.pps * min(max(-(-L // P) - -(-hit // P), 0) + mid_page, 1 + mid_page)
+        whole_states = self.pps * (min(max(-(-L // P) - -(-hit // P), 0) + mid_page, 1 + mid_page)
+                                   + self.shape.speculative_state_pages)
         if whole_kv + whole_states > pool.num_free - evictable:
             return None
         pool.touch(src)
@@ -200,7 +203,8 @@ class SharedPoolManager:
             pool.touch(hit_state)
             self.reads += 1
         kv = src[:hit // P] + pool.allocate(new_kv)
-        held = HeldRequest(hit, keep, kv, pool.allocate(self.pps))
+        held = HeldRequest(hit, keep, kv, pool.allocate(self.pps),
+                           scratch=pool.allocate(self.pps * self.shape.speculative_state_pages))
         if mid_page:
             # copy-on-write: the copies run on; vLLM keeps the sources
             # referenced until its schedule() ends (the copy runs in this
@@ -377,6 +381,8 @@ class SharedPoolManager:
     # -- release ---------------------------------------------------------
     def finish(self, req) -> None:
         held = self._held.pop(req.request_id)
+        # (empty: to the head of the free queue, in either order)
+        self.pool.free(held.scratch)
         if self.plugin:
             free_in_units(self, req, held)
         else:

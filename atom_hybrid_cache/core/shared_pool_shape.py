@@ -28,6 +28,11 @@ class SharedPoolShape:
     # cannot end on a page boundary runs sub-page only where a page is
     # larger than a whole step, not where this step's budget is short
     step_tokens: int = 0
+    # speculative decoding with 1 + k working states (vLLM's align mode,
+    # `num_speculative_blocks`): the k scratch pages a running request holds
+    # in each state group from its first chunk to its release (0: no
+    # speculation, or ReplaySSM's one state a request)
+    speculative_state_pages: int = 0
 
     def __post_init__(self) -> None:
         if self.page_tokens % self.hash_unit:

@@ -39,7 +39,8 @@ class SharedPoolWindow:
                        if floor_fractions else None)
         self.max_hold_steps = max_hold_steps
         P = manager.page
-        self.groups = [PageGroup(True, P)] * manager.pps + [PageGroup(False, P)]
+        self.groups = ([PageGroup(True, P, manager.shape.speculative_state_pages)] * manager.pps
+                       + [PageGroup(False, P)])
         self._decision: Optional[GateDecision] = None
 
     def open(self, waiting: Sequence, running: Sequence) -> list:

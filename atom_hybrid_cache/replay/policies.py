@@ -31,31 +31,6 @@ from ..core.replay_pool_config import ReplayPoolConfig
 
 POLICY_NAMES = ("default", "separate-pools", "kv-only-ceiling", "no-state-cache", "ladder-8192",
                 "simple", "vllm-align")
-# the policies over vLLM's one page pool (core/shared_pool_manager.py): a
-# running request holds one state there, so speculative decoding's 1 + k
-# working states are not modelled (ReplaySSM's one larger state is)
-SHARED_POOL_POLICIES = ("default", "vllm-align")
-
-
-def unmodelled_speculation(names: list[str], num_spec: int, replayssm: bool) -> list[str]:
-    """Those of `names` that cannot run where a running request holds 1 +
-    `num_spec` states: the shared-pool ones would count one."""
-    if not num_spec or replayssm:
-        return []
-    return [n for n in names if n in SHARED_POOL_POLICIES]
-
-
-def check_speculation(names: list[str], num_spec: int, replayssm: bool) -> None:
-    """Refuse `unmodelled_speculation`'s policies: they would overstate the
-    hits."""
-    shared = unmodelled_speculation(names, num_spec, replayssm)
-    if shared:
-        raise ValueError(
-            f"--num-spec {num_spec}: {', '.join(shared)} model one state per running request, "
-            f"not 1 + {num_spec}; with 1 + k slots use --policies separate-pools (or "
-            f"--replayssm: one state a request)")
-
-
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
@@ -73,6 +48,9 @@ class PolicySpec:
     # shared pool, the plugin: the tokens one prefix hash covers (0: the
     # workload's block size)
     hash_unit: int = 0
+    # shared pool: a running request's scratch state pages a group under
+    # speculative decoding with 1 + k states (k; 0 with ReplaySSM)
+    speculative_state_pages: int = 0
 
 
 def parse_policy_names(text: str) -> list[str]:
@@ -133,7 +111,8 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                                     pages_per_state=lay.pages_per_state_slot,
                                     shared_pool=server_placement or base_placement,
                                     floor_fractions=floor_fractions,
-                                    admission_gate=admission_gate, hash_unit=plugin_hash_unit))
+                                    admission_gate=admission_gate, hash_unit=plugin_hash_unit,
+                                    speculative_state_pages=num_spec))
         elif name == "separate-pools":
             specs.append(PolicySpec(name, default))
         elif name == "kv-only-ceiling":
@@ -154,7 +133,8 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
             specs.append(PolicySpec(name, None, page_tokens=lay.block_size_tokens,
                                     num_pages=lay.num_pages,
                                     pages_per_state=lay.pages_per_state_slot,
-                                    shared_pool=base_placement, plugin=False))
+                                    shared_pool=base_placement, plugin=False,
+                                    speculative_state_pages=num_spec))
         else:
             raise ValueError(f"unknown policy {name!r}")
     return specs

@@ -14,8 +14,7 @@ from ..core.manager import HybridCacheManager, Request
 from ..core.replay_pool_config import DEFAULT_HEADROOM_PER_SEQ
 from ..core.shared_pool_manager import SharedPoolManager
 from ..core.shared_pool_shape import SharedPoolShape
-from .policies import (PolicySpec, build_policies, check_speculation, parse_policy_names,
-                       unmodelled_speculation)
+from .policies import PolicySpec, build_policies, parse_policy_names
 from .report import PolicyResult, format_table, plot_sweep, write_json
 from .client_clock import DECODE_S_PER_STEP, MAX_THINK_S, PREFILL_S_PER_TOKEN, ClientClock
 from .simulator import SimSettings, SimTotals, simulate
@@ -47,7 +46,8 @@ def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, 
         s = dataclasses.replace(s, block_size=unit)
         shape = SharedPoolShape(num_pages=spec.num_pages, page_tokens=spec.page_tokens,
                                 hash_unit=s.block_size, pages_per_state=spec.pages_per_state,
-                                max_num_seqs=s.concurrency, step_tokens=s.prefill_chunk)
+                                max_num_seqs=s.concurrency, step_tokens=s.prefill_chunk,
+                                speculative_state_pages=spec.speculative_state_pages)
         mgr = SharedPoolManager(shape, spec.shared_pool, floor_fractions=spec.floor_fractions,
                                 plugin=spec.plugin, admission_gate=spec.admission_gate)
         totals = simulate(workload.conversations, workload.source, mgr, _make_request, s, progress)
@@ -200,7 +200,6 @@ def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[s
     of 1 + `num_spec` (vLLM with ATOM_ENABLE_REPLAYSSM=1)."""
     from .geometry import speculative_geometry
     from .memory_split import shared_pool_layout
-    check_speculation(policies, num_spec, replayssm)
     geometry = speculative_geometry(geometry, num_spec, replayssm, replayssm_cache_len)
     if replayssm:
         num_spec = 0        # the working slots per request: one
@@ -223,12 +222,6 @@ def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[s
 def run_replay(args) -> int:
     t0 = time.perf_counter()
     names = parse_policy_names(",".join(args.policies))
-    left_out = unmodelled_speculation(names, args.num_spec, args.replayssm)
-    if args.policies == ["all"] and left_out:
-        names = [n for n in names if n not in left_out]
-        print(f"note: with --num-spec {args.num_spec} (1 + k slots) the policies over vLLM's one "
-              f"page pool ({', '.join(left_out)}) are left out: they model one "
-              f"state per running request")
     workload, geometry = load_workload(args)
     placement = placement_from_args(args)
     # the flag, else ATOM_STATE_CHECKPOINT_SLOTS, else the default per slot

@@ -150,7 +150,9 @@ class AdmissionGate:
 
 
 def _page_groups(managers) -> list[PageGroup]:
-    return [PageGroup(isinstance(m.kv_cache_spec, MambaSpec), m.block_size) for m in managers]
+    return [PageGroup(True, m.block_size, m.kv_cache_spec.num_speculative_blocks)
+            if isinstance(m.kv_cache_spec, MambaSpec) else PageGroup(False, m.block_size)
+            for m in managers]
 
 
 def _running_reserve(managers, groups: list[PageGroup], running) -> int:

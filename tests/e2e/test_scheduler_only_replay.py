@@ -219,3 +219,29 @@ def test_vllms_order_keeps_the_planners_figures(pressure_bench, plugin_env, vllm
         run = E.run_policy("plugin", convs, w.rounds, pool + 1, w.max_model_len,
                            sweep.GEOMETRY, scheduler_only=True, max_num_seqs=in_flight)
         assert sum(run["cached"]) == want, (subset, checkpoints, multiple)
+
+
+# Speculative decoding with 1 + k states (n-gram, vLLM's align mode: a
+# request holds k scratch pages a state group from admission to release),
+# the scaled workload in 128-token pages, the defaults: (pool / live, k) ->
+# cached tokens. The planner gives the same (tests/test_planner_agreement.py).
+# Before the admission gate counted the scratch pages (`PageGroup.
+# speculative_pages`, read from vLLM's `num_speculative_blocks`) it let in
+# requests that then stalled the pool: 651,840 and 703,168.
+SPECULATIVE = {(0.83, 3): 715_136, (1.0, 7): 731_328}
+
+
+def test_the_gate_counts_speculative_scratch_states(pressure_bench, plugin_env, vllm_cpu_env,
+                                                     scaled_plan_workload):
+    E = pressure_bench
+    _, convs, _, _ = scaled_plan_workload
+    w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
+    got = {}
+    for multiple, k in SPECULATIVE:
+        nb = E.budget_blocks(multiple, w.working_set, w.single_request)
+        run = E.run_policy("plugin", convs, w.rounds, nb, w.max_model_len, scheduler_only=True,
+                           dtype="float32",
+                           speculative_config={"method": "ngram", "num_speculative_tokens": k,
+                                               "prompt_lookup_max": 4, "prompt_lookup_min": 2})
+        got[multiple, k] = sum(run["cached"])
+    assert got == SPECULATIVE
