@@ -381,8 +381,8 @@ class SharedPoolManager:
     # -- release ---------------------------------------------------------
     def finish(self, req) -> None:
         held = self._held.pop(req.request_id)
-        # (empty: to the head of the free queue, in either order)
-        self.pool.free(held.scratch)
+        if held.scratch:
+            self.pool.free(held.scratch)   # (empty: to the free queue's head)
         if self.plugin:
             free_in_units(self, req, held)
         else:
