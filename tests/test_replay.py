@@ -131,3 +131,28 @@ def test_speculation_holds_the_k_scratch_states_in_the_shared_pool(tmp_path):
     res = _run(tmp_path, "--policies", "default", "--num-spec", "2", "--replayssm",
                "--memory-gib", "8")
     assert round(res["default"]["hit_rate"] * res["default"]["prompt_tokens"]) == 402_432
+
+def test_a_request_that_cannot_finish_alone_is_not_readmitted_for_ever(tmp_path, capsys):
+    """separate-pools at 8 GiB with 1 + 3 slots a request: 185 KV blocks of
+    64 tokens, too few for most of the sample's prompts. One request fits
+    its admission but not its next tokens with the pool to itself; it was
+    preempted and re-admitted without end (the replay never finished).
+    Preempted alone twice, it is counted with the requests larger than the
+    pool."""
+    import signal
+
+    def too_long(*_):
+        raise TimeoutError("the replay did not finish in 60 s")
+
+    old = signal.signal(signal.SIGALRM, too_long)
+    signal.alarm(60)
+    try:
+        res = _run(tmp_path, "--policies", "separate-pools", "--num-spec", "3",
+                   "--memory-gib", "8")
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    sp = res["separate-pools"]
+    assert (sp["requests"], sp["extra"]["over_pool_requests"], sp["extra"]["preemptions"]) == (4, 20, 2)
+    assert ("larger than the pool (not served): separate-pools 20, kv-only-ceiling 20"
+            in capsys.readouterr().out)

@@ -128,6 +128,12 @@ def _workload_footer(results: Sequence[PolicyResult]) -> list[str]:
         f"over-context: {_count(first.over_context_requests)} requests / "
         f"{_count(first.over_context_tokens)} tokens (counted apart, not simulated)"
     ]
+    over_pool = [r for r in results if r.extra.get("over_pool_requests")]
+    if over_pool:
+        # refused at admission with the pool to themselves, or preempted
+        # twice so (replay.simulator): what such a pool cannot serve
+        lines.append("larger than the pool (not served): " + ", ".join(
+            f"{r.policy} {_count(r.extra['over_pool_requests'])}" for r in over_pool))
     # Every policy replays the same workload; say so if that ever breaks.
     workload = {(r.requests, r.over_context_requests, r.over_context_tokens) for r in results}
     if len(workload) > 1:

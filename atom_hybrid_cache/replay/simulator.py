@@ -90,7 +90,8 @@ LADDER_PROBE = 8192
 class _Live:
     """A request in the simulator: the core's request plus serving state."""
 
-    __slots__ = ("core", "lane", "output_len", "decoded", "admitted_once", "uid", "prev_prompt_len")
+    __slots__ = ("core", "lane", "output_len", "decoded", "admitted_once", "uid", "prev_prompt_len",
+                 "alone_preemptions")
 
     def __init__(self, core, lane, output_len, uid, prev_prompt_len=None):
         self.prev_prompt_len = prev_prompt_len
@@ -100,6 +101,8 @@ class _Live:
         self.decoded = 0
         self.admitted_once = False
         self.uid = uid
+        # preempted for its own tokens with nothing else running
+        self.alone_preemptions = 0
 
 
 def simulate(conversations: list, source: BlockSource, manager, make_request: Callable,
@@ -229,8 +232,21 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
         manager.preempt(victim.core)
         running.remove(victim)
         victim.decoded = 0
-        waiting.appendleft(victim)
         totals.preemptions += 1
+        if victim is victim_of and not running:
+            # short of room for its own next tokens with the pool to itself:
+            # twice so (its re-admission evicted what it could), it can
+            # never finish here, and re-admitting it would loop for ever.
+            # Counted with the requests larger than the pool (its first
+            # admission's hit stays counted)
+            victim.alone_preemptions += 1
+            if victim.alone_preemptions >= 2:
+                totals.over_pool_requests += 1
+                totals.over_pool_tokens += victim.core.prompt_len
+                if not settings.lockstep:
+                    next_request(victim.lane)
+                return
+        waiting.appendleft(victim)
 
     # a manager that takes a prefill's pages chunk by chunk (vLLM's way):
     # admission takes the first chunk's, `reserve_chunk` each later one's
