@@ -153,8 +153,10 @@ def _workload_footer(results: Sequence[PolicyResult]) -> list[str]:
         )
     )
     # what every ratio above is taken over, and the hit rate over all input
-    # (the over-context requests counted as misses)
-    total = first.prompt_tokens + first.over_context_tokens
+    # (the over-context requests and those a pool never admitted counted as
+    # misses: the same input for every policy)
+    def all_input(r: PolicyResult) -> int:
+        return r.prompt_tokens + r.over_context_tokens + r.extra.get("over_pool_tokens", 0)
     ceiling = next((r for r in results if r.policy == "kv-only-ceiling"), None)
     pool = (f"kv-only-ceiling: its KV pool ({_count(ceiling.kv_blocks)} blocks x "
             f"{ceiling.block_size} tokens) with a free state at every block"
@@ -167,7 +169,8 @@ def _workload_footer(results: Sequence[PolicyResult]) -> list[str]:
         f"simulated (over-context ones excluded); ceiling = {pool}; "
         + (f"prefix hash unit (tokens): {units}; " if units else "")
         + "hit over all input: "
-        + ", ".join(f"{r.policy} {_pct(r.hit_rate * r.prompt_tokens / total if total else 0.0)}"
+        + ", ".join(f"{r.policy} "
+                    f"{_pct(r.hit_rate * r.prompt_tokens / all_input(r) if all_input(r) else 0.0)}"
                     for r in results)
     )
     return lines

@@ -128,7 +128,8 @@ def to_results(runs, settings: SimSettings) -> list[PolicyResult]:
             kv_blocks=e["kv_blocks"], state_slots=e["state_slots"], block_size=settings.block_size,
             elapsed_s=t.elapsed_s,
             extra=dict(resume_kinds=kinds, preemptions=t.preemptions,
-                       over_pool_requests=t.over_pool_requests, steps=t.steps,
+                       over_pool_requests=t.over_pool_requests,
+                       over_pool_tokens=t.over_pool_tokens, steps=t.steps,
                        client_s=round(t.client_s, 1),
                        **{k: v for k, v in e.items() if k not in ("fates", "writes", "kv_blocks", "state_slots")}),
         ))

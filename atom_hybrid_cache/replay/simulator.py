@@ -238,11 +238,10 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
             # twice so (its re-admission evicted what it could), it can
             # never finish here, and re-admitting it would loop for ever.
             # Counted with the requests larger than the pool (its first
-            # admission's hit stays counted)
+            # admission, its hit and its prompt tokens stay counted)
             victim.alone_preemptions += 1
             if victim.alone_preemptions >= 2:
                 totals.over_pool_requests += 1
-                totals.over_pool_tokens += victim.core.prompt_len
                 if not settings.lockstep:
                     next_request(victim.lane)
                 return
