@@ -169,11 +169,14 @@ def _workload_footer(results: Sequence[PolicyResult]) -> list[str]:
         f"simulated (over-context ones excluded); ceiling = {pool}; "
         + (f"prefix hash unit (tokens): {units}; " if units else "")
         + "hit over all input: "
-        + ", ".join(f"{r.policy} "
-                    f"{_pct(r.hit_rate * r.prompt_tokens / all_input(r) if all_input(r) else 0.0)}"
+        + ", ".join(f"{r.policy} {_pct(_share(r.hit_rate * r.prompt_tokens, all_input(r)))}"
                     for r in results)
     )
     return lines
+
+
+def _share(part: float, whole: int) -> float:
+    return part / whole if whole else 0.0
 
 
 def format_table(results: Sequence[PolicyResult], title: str = "") -> str:
