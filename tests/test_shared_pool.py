@@ -353,3 +353,49 @@ def test_speculation_holds_k_scratch_states_from_admission_to_release():
     assert mgr.pool.free_order.in_order() == [5, 6, 7, 8]
     mgr.finish(req)
     assert mgr.pool.free_order.in_order() == [3, 4, 5, 6, 7, 8, 2, 1]
+
+
+def test_a_dropped_prompt_end_takes_its_whole_page_out_of_the_index():
+    """A 32-token prompt fills its last page (24-32): vLLM indexes that page
+    whole and, at its last hash unit below the prompt's end (28), as a
+    partial page. Where the prompt-end state at 28 is not worth its pages
+    (`keeps_prompt_end` False) the release takes the page out of vLLM's
+    index with `evict_blocks`, which drops every key of it: the page goes
+    back uncached, to the head of the free queue, and no lookup finds the
+    full page (kept indexed under the full key, it was evicted after the
+    prefix below it and a later prompt found KV it could not resume on)."""
+    mgr = _manager(12)
+    mgr.planner.keeps_prompt_end = lambda position: False
+    req = _request("d", A[:32])
+    _serve(mgr, req)
+    # KV pages 1, 2, 4, 6; the last (6) first in the free queue (before
+    # the fix: indexed, [8, 7, 9, 10, 11, 5, 6, 4, 3, 2, 1])
+    assert [mgr.pool.lookup(req.block_hashes[i]) for i in (1, 3, 5, 7)] == [1, 2, 4, None]
+    assert not mgr.pool.is_indexed(6)
+    assert mgr.pool.free_order.in_order() == [6, 8, 7, 9, 10, 11, 5, 4, 3, 2, 1]
+
+
+def test_a_preempted_request_is_admitted_once():
+    """vLLM schedules a preempted request again as a resumed one, which the
+    plugin does not count (`vllm/admission.after_schedule` reads the new
+    requests): its second admission leaves the planner's admissions and
+    KV cut rate as they were. (Counted again, in the plan's 14 traces at
+    0.5x with k = 3, its own prefix's cut put the rate at 1.0 and the
+    release dropped a prompt end vLLM kept.)"""
+    mgr = _manager(12)
+    first = _request("b", B)
+    _serve(mgr, _request("a", A))
+    assert mgr.admit(first, 8) is not None
+    mgr.preempt(first)
+    assert mgr.planner.stats.admissions == 2
+    rate = mgr.planner.kv_cuts.rate
+    assert mgr.admit(first, 8) is not None
+    assert (mgr.planner.stats.admissions, mgr.planner.kv_cuts.rate) == (2, rate)
+    while first.num_computed < first.prompt_len:
+        n = mgr.next_chunk(first, 8)
+        if first.num_computed:
+            assert mgr.reserve_chunk(first, n)
+        mgr.prefill_done(first, n)
+    mgr.finish(first)
+    assert _serve(mgr, _request("c", B)) == 40     # its prompt end, as kept
+    assert mgr.planner.stats.admissions == 3

@@ -23,8 +23,9 @@ What the plugin does in vLLM, and this model with it:
 - admission as vLLM's: only where the whole prompt's KV fits beside a state
   page per group (and speculation's k scratch pages, held to the release:
   `SharedPoolShape.speculative_state_pages`), taking the first chunk's
-  pages; later chunks take theirs
-  (`reserve_chunk`), and the simulator preempts where they do not fit;
+  pages; later chunks take theirs (`reserve_chunk`), and the simulator
+  preempts where they do not fit: vLLM schedules a preempted request again
+  as a resumed one, which the plugin's planner does not count as admitted;
 - vLLM's `remove_skipped_blocks`: a prefill's state two chunk ends back is
   freed before the room for its next chunk is counted.
 
@@ -81,13 +82,11 @@ class SharedPoolManager:
         self.stats = CacheStats()
         self.oracle = PrefixOracle(oracle_limit)
         self._held: dict = {}
+        self._preempted: set = set()   # not yet released (`preempt`)
         # partial-hit copy-on-write sources this step still references
         self._cow_sources: list = [[] for _ in range(shape.pages_per_state + 1)]
         # states: written, read, evicted (a state is lost with any of its pages)
-        self.writes = 0
-        self.reads = 0
-        self.evicted_states = 0
-        self.dropped = 0
+        self.writes = self.reads = self.evicted_states = self.dropped = 0
         self._live_states: set = set()   # first group's keys of the kept states
         # the floors and the admission gate, where the plugin runs them
         # (vllm/scheduler_setup.py: floors with the reuse-aware release)
@@ -104,8 +103,7 @@ class SharedPoolManager:
 
     # -- the pool's evictions ---------------------------------------
     def _on_evict(self, key: int) -> None:
-        # counted on the first group's page: a state is lost with any page,
-        # once
+        # counted on the first group's page: a state is lost with any page, once
         if key in self._live_states:
             self._live_states.discard(key)
             self.evicted_states += 1
@@ -116,10 +114,9 @@ class SharedPoolManager:
                                self.shape.page_tokens)
 
     def open_step(self, waiting: Sequence, running: Sequence) -> list:
-        """Before a step (`waiting`, `running`: the requests, in vLLM's
-        order): the requests in flight sized the share (as
-        `vllm/scheduler.py` sizes it), then the floors and the gate's pins;
-        the waiting requests the gate holds out of this step."""
+        """Before a step (`waiting`, `running`: in vLLM's order): the requests
+        in flight size the share (as `vllm/scheduler.py`), then the floors
+        and the gate's pins; the waiting requests the gate holds out."""
         if self.plugin and self.policy.observe_in_flight(len(waiting) + len(running)):
             self.pool.set_price_weight(self._price_weight())
             if self.window is not None and self.window.floors is not None:
@@ -140,8 +137,8 @@ class SharedPoolManager:
         return self.window is not None and self.window.gated()
 
     def abandon(self, req) -> None:
-        """A waiting request the replay gives up on (larger than the pool):
-        the floors it holds go back."""
+        """A waiting request the replay gives up on: its floors go back."""
+        self._preempted.discard(req.request_id)
         if self.window is not None:
             for _, pages in self.window.release_floors(req.request_id):
                 self.pool.free(pages)
@@ -231,7 +228,7 @@ class SharedPoolManager:
         reusable = max(self.oracle.reach(hashes, cap, hit // U) * U, reach // U * U)
         kv_reach = max(hit, reach // U * U)
         self.stats.record_admission(L, reusable, kv_reach, kv_reach, hit)
-        if self.planner is not None:
+        if self.planner is not None and req.request_id not in self._preempted:
             self.planner.admitted(req.request_id, hit)
         return Admission(hit, reusable, kv_reach, kv_reach, "state" if hit else None)
 
@@ -381,6 +378,7 @@ class SharedPoolManager:
     # -- release ---------------------------------------------------------
     def finish(self, req) -> None:
         held = self._held.pop(req.request_id)
+        self._preempted.discard(req.request_id)
         if held.scratch:
             self.pool.free(held.scratch)   # (empty: to the free queue's head)
         if self.plugin:
@@ -391,6 +389,9 @@ class SharedPoolManager:
 
     def preempt(self, req) -> None:
         self.finish(req)
+        # vLLM's adapter counts the step's new requests as admitted
+        # (`vllm/admission.after_schedule`); a resumed one is not new
+        self._preempted.add(req.request_id)
         req.rewind_to_prompt(self.block_size)
 
     # -- diagnostics -----------------------------------------------------

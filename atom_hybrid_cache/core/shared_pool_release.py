@@ -37,8 +37,9 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
         pos, pages = held.anchor
         for p in pages:
             pool.unindex(p)
-        pool.unindex(held.kv[pos // manager.page],
-                     index.partial_key(hashes[pos // manager.block_size - 1]))
+        # every key of the page, as vLLM's `evict_blocks` drops them: a
+        # prompt that fills its last page has it indexed whole as well
+        pool.unindex(held.kv[pos // manager.page])
         columns[-1] = (None, pages)
     states: list = []
     taken: set = set()

@@ -228,7 +228,8 @@ def test_vllms_order_keeps_the_planners_figures(pressure_bench, plugin_env, vllm
 # Before the admission gate counted the scratch pages (`PageGroup.
 # speculative_pages`, read from vLLM's `num_speculative_blocks`) it let in
 # requests that then stalled the pool: 651,840 and 703,168.
-SPECULATIVE = {(0.83, 3): 715_136, (1.0, 7): 731_328}
+SPECULATIVE = {(0.83, 3): 715_136, (1.0, 7): 731_328, (0.83, 7): 601_600,
+               (0.5, 3): 396_032, (0.5, 7): 356_864}
 
 
 def test_the_gate_counts_speculative_scratch_states(pressure_bench, plugin_env, vllm_cpu_env,
