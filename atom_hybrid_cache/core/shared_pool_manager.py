@@ -389,8 +389,8 @@ class SharedPoolManager:
 
     def preempt(self, req) -> None:
         self.finish(req)
-        # vLLM's adapter counts the step's new requests as admitted
-        # (`vllm/admission.after_schedule`); a resumed one is not new
+        # the adapter counts a request admitted once, not again when vLLM
+        # resumes it (`vllm/admission.after_schedule`)
         self._preempted.add(req.request_id)
         req.rewind_to_prompt(self.block_size)
 

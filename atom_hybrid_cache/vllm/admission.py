@@ -77,7 +77,11 @@ def after_schedule(sched, parts, out) -> None:
     prompts now scheduled to their end."""
     planner = parts.planner
     for new in out.scheduled_new_reqs:
-        planner.admitted(new.req_id, new.num_computed_tokens)
+        # vLLM's model runner V2 lists a resumed (preempted) request here
+        # too, V1 apart: admitted once either way, as the replay counts it
+        request = sched.requests.get(new.req_id)
+        if request is None or not request.num_preemptions:
+            planner.admitted(new.req_id, new.num_computed_tokens)
         parts.passed_over.pop(new.req_id, None)
     if planner.interior_readable:
         for rid, n in out.num_scheduled_tokens.items():
