@@ -32,7 +32,8 @@ COUNTERS = {
     "cached": ("vllm:atom_cached_prompt_tokens",
                "Prompt tokens reused: KV and a state checkpoint at one boundary."),
     "computed_prefill_tokens": ("vllm:atom_computed_prompt_tokens",
-                                "Prompt tokens computed (not reused)."),
+                                "Prompt tokens computed (not reused), a preempted "
+                                "request's recompute included."),
     "full_reuse": ("vllm:atom_full_reuse_requests",
                    "Requests that reused all the reusable prefix."),
     "paged_match_state_miss": ("vllm:atom_state_miss_requests",

@@ -168,6 +168,11 @@ class CheckpointPlanner:
             for line in self.stats_lines():
                 self._log(line)
 
+    def resumed(self, request_id: str, recomputed_tokens: int) -> None:
+        """A preempted request was scheduled again: not a new admission (its
+        reuse counted once), but the tokens it computes again are computed."""
+        self.stats.computed_prefill_tokens += max(0, recomputed_tokens)
+
     # -- release -------------------------------------------------------
     def keeps_prompt_end(self, position: int) -> bool:
         """Whether the prompt-end state at `position`, inside a page, is

@@ -76,13 +76,22 @@ def after_schedule(sched, parts, out) -> None:
     forwards write from inside, and hold the prompt-end states of the
     prompts now scheduled to their end."""
     planner = parts.planner
+    resumed = set(out.scheduled_cached_reqs.resumed_req_ids)
     for new in out.scheduled_new_reqs:
         # vLLM's model runner V2 lists a resumed (preempted) request here
-        # too, V1 apart: admitted once either way, as the replay counts it
+        # too, V1 with the cached ones: admitted once either way, as the
+        # replay counts it
         request = sched.requests.get(new.req_id)
         if request is None or not request.num_preemptions:
             planner.admitted(new.req_id, new.num_computed_tokens)
+        else:
+            resumed.add(new.req_id)
         parts.passed_over.pop(new.req_id, None)
+    for rid in resumed:
+        # (vLLM has counted this step's tokens as computed already)
+        request = sched.requests[rid]
+        hit = request.num_computed_tokens - out.num_scheduled_tokens[rid]
+        planner.resumed(rid, request.num_tokens - hit)
     if planner.interior_readable:
         for rid, n in out.num_scheduled_tokens.items():
             request = sched.requests[rid]

@@ -19,6 +19,7 @@ import pytest
 pytest.importorskip("vllm")
 
 PROMPT, DECODE = 14_000, 8_000   # two of them outgrow the 91 pages of 448 tokens
+NUM_TOKENS_AT_RESUME = 16_577     # its prompt and 2,577 outputs
 
 
 @pytest.mark.parametrize("model_runner_v2", [True, False])
@@ -41,3 +42,7 @@ def test_a_resumed_request_is_admitted_once(make_plugin_scheduler, model_runner_
     planner = sched.atom.planner
     assert planner.stats.admissions == 2
     assert len(planner.kv_cuts._window) == 2
+    # but what it computes again is computed: both prompts, then r1's
+    # prompt and outputs past the state it resumed on
+    assert r1.num_tokens == NUM_TOKENS_AT_RESUME
+    assert planner.stats.computed_prefill_tokens == 2 * PROMPT + NUM_TOKENS_AT_RESUME - 13_952
