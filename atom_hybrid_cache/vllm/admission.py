@@ -76,22 +76,17 @@ def after_schedule(sched, parts, out) -> None:
     forwards write from inside, and hold the prompt-end states of the
     prompts now scheduled to their end."""
     planner = parts.planner
-    resumed = set(out.scheduled_cached_reqs.resumed_req_ids)
     for new in out.scheduled_new_reqs:
         # vLLM's model runner V2 lists a resumed (preempted) request here
         # too, V1 with the cached ones: admitted once either way, as the
         # replay counts it
-        request = sched.requests.get(new.req_id)
-        if request is None or not request.num_preemptions:
-            planner.admitted(new.req_id, new.num_computed_tokens)
+        if sched.requests[new.req_id].num_preemptions:
+            _count_resumed(sched, planner, out, new.req_id)
         else:
-            resumed.add(new.req_id)
+            planner.admitted(new.req_id, new.num_computed_tokens)
         parts.passed_over.pop(new.req_id, None)
-    for rid in resumed:
-        # (vLLM has counted this step's tokens as computed already)
-        request = sched.requests[rid]
-        hit = request.num_computed_tokens - out.num_scheduled_tokens[rid]
-        planner.resumed(rid, request.num_tokens - hit)
+    for rid in out.scheduled_cached_reqs.resumed_req_ids:
+        _count_resumed(sched, planner, out, rid)
     if planner.interior_readable:
         for rid, n in out.num_scheduled_tokens.items():
             request = sched.requests[rid]
@@ -100,3 +95,11 @@ def after_schedule(sched, parts, out) -> None:
                 planner.forward_scheduled(rid, end - n, end)
     if parts.anchors is not None and parts.anchors.pending:
         parts.anchors.hold_pending(sched.requests)
+
+
+def _count_resumed(sched, planner, out, rid: str) -> None:
+    """What a resumed request computes again (vLLM has counted this step's
+    tokens as computed already)."""
+    request = sched.requests[rid]
+    hit = request.num_computed_tokens - out.num_scheduled_tokens[rid]
+    planner.resumed(rid, request.num_tokens - hit)
