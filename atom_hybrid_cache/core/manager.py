@@ -48,6 +48,8 @@ class Request:
     resumed_from: Optional[int] = None  # hash of the checkpoint read
     anchor_hash: Optional[int] = None
     admitted: bool = False
+    # rewound by a preemption: vLLM schedules it again as a resumed request
+    preempted: bool = False
 
     def __post_init__(self) -> None:
         if self.num_tokens == 0:
@@ -56,6 +58,7 @@ class Request:
     def rewind_to_prompt(self, block_size: int) -> None:
         """Back to an unscheduled prompt (after a preemption): decoded
         tokens and the blocks they filled are forgotten."""
+        self.preempted = True
         self.num_computed = 0
         self.num_tokens = self.prompt_len
         n_prompt_blocks = self.prompt_len // block_size

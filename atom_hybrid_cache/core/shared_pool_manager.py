@@ -82,7 +82,6 @@ class SharedPoolManager:
         self.stats = CacheStats()
         self.oracle = PrefixOracle(oracle_limit)
         self._held: dict = {}
-        self._preempted: set = set()   # not yet released (`preempt`)
         # partial-hit copy-on-write sources this step still references
         self._cow_sources: list = [[] for _ in range(shape.pages_per_state + 1)]
         # states: written, read, evicted (a state is lost with any of its pages)
@@ -138,7 +137,6 @@ class SharedPoolManager:
 
     def abandon(self, req) -> None:
         """A waiting request the replay gives up on: its floors go back."""
-        self._preempted.discard(req.request_id)
         if self.window is not None:
             for _, pages in self.window.release_floors(req.request_id):
                 self.pool.free(pages)
@@ -228,8 +226,11 @@ class SharedPoolManager:
         reusable = max(self.oracle.reach(hashes, cap, hit // U) * U, reach // U * U)
         kv_reach = max(hit, reach // U * U)
         self.stats.record_admission(L, reusable, kv_reach, kv_reach, hit)
-        if self.planner is not None and req.request_id not in self._preempted:
-            self.planner.admitted(req.request_id, hit)
+        if self.planner is not None:
+            if req.preempted:   # counted once, as the adapter (vllm/admission.py)
+                self.planner.resumed(req.request_id, L - hit)
+            else:
+                self.planner.admitted(req.request_id, hit)
         return Admission(hit, reusable, kv_reach, kv_reach, "state" if hit else None)
 
     def _kept_positions(self, rid, L: int, hashes, hit: int, own: dict,
@@ -378,7 +379,6 @@ class SharedPoolManager:
     # -- release ---------------------------------------------------------
     def finish(self, req) -> None:
         held = self._held.pop(req.request_id)
-        self._preempted.discard(req.request_id)
         if held.scratch:
             self.pool.free(held.scratch)   # (empty: to the free queue's head)
         if self.plugin:
@@ -389,9 +389,6 @@ class SharedPoolManager:
 
     def preempt(self, req) -> None:
         self.finish(req)
-        # the adapter counts a request admitted once, not again when vLLM
-        # resumes it (`vllm/admission.after_schedule`)
-        self._preempted.add(req.request_id)
         req.rewind_to_prompt(self.block_size)
 
     # -- diagnostics -----------------------------------------------------
