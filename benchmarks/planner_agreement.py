@@ -38,7 +38,8 @@ STEP_TOKENS = 2048
 STATE_GROUPS = E.MAMBA_GROUPS
 POLICIES = ("plugin", "native")
 # what the planner models: also the plugin with its gate forced on or off
-MODELLED = (*POLICIES, "plugin-gated", "plugin-ungated")
+MODELLED = (*POLICIES, "plugin-gated", "plugin-ungated", "plugin-hits-first",
+            "plugin-gated-hits-first", "plugin-ungated-hits-first")
 
 
 class _Request:
@@ -83,13 +84,15 @@ def planner_cached(policy: str, convs, num_pages: int, block: int, in_flight: in
     settings = load_settings(None, server_defaults(), environ={
         k: v for k, v in os.environ.items() if k != "ATOM_ADMISSION_GATE"})
     gate = E._gate_setting(policy) or settings.server.admission_gate
+    # (the order is the policy's alone: e2e_pressure sets or clears it)
+    order = "hits-first" if policy.endswith("hits-first") else "arrival"
     shape = SharedPoolShape(num_pages=num_pages, page_tokens=block, hash_unit=unit,
                             pages_per_state=STATE_GROUPS, max_num_seqs=in_flight,
                             step_tokens=STEP_TOKENS,
                             speculative_state_pages=speculative_state_pages)
     mgr = SharedPoolManager(shape, settings.placement,
                             floor_fractions=settings.server.floor_fractions, plugin=plugin,
-                            admission_gate=gate)
+                            admission_gate=gate, admission_order=order)
     conversations = [_Conversation(c["id"], c["prompts"]) for c in convs]
     sim = SimSettings(concurrency=in_flight, prefill_chunk=STEP_TOKENS, block_size=unit,
                       max_model_len=1 << 40, lockstep=True, max_output=1)

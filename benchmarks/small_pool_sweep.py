@@ -243,9 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# policy -> (hash unit, the plugin's placement and release) in the planner
-PLANNER_POLICIES = {"native": (None, False), "native-pmu64": (64, False),
-                    "plugin": (64, True), "plugin-block-unit": (None, True)}
+# policy -> (hash unit, the plugin's placement and release, its admission
+# order: None, the server's ATOM_ADMISSION_ORDER) in the planner
+PLANNER_POLICIES = {"native": (None, False, None), "native-pmu64": (64, False, None),
+                    "plugin": (64, True, None), "plugin-block-unit": (None, True, None),
+                    "plugin-hits-first": (64, True, "hits-first")}
 
 
 def planner_cached(policy: str, convs, w, cell, max_num_seqs=None) -> int:
@@ -259,7 +261,7 @@ def planner_cached(policy: str, convs, w, cell, max_num_seqs=None) -> int:
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 
     block = E.GEOMETRIES[GEOMETRY]["block_size"]
-    unit, plugin = PLANNER_POLICIES[policy]
+    unit, plugin, order = PLANNER_POLICIES[policy]
     unit = unit or block
     settings = load_settings(None, server_defaults())
     shape = SharedPoolShape(num_pages=cell["pool_pages"] + 1, page_tokens=block, hash_unit=unit,
@@ -268,7 +270,8 @@ def planner_cached(policy: str, convs, w, cell, max_num_seqs=None) -> int:
                             step_tokens=A.STEP_TOKENS)
     mgr = SharedPoolManager(shape, settings.placement,
                             floor_fractions=settings.server.floor_fractions, plugin=plugin,
-                            admission_gate=settings.server.admission_gate)
+                            admission_gate=settings.server.admission_gate,
+                            admission_order=order or settings.server.admission_order)
     conversations = [A._Conversation(c["id"], c["prompts"]) for c in convs]
     sim = SimSettings(concurrency=cell["in_flight"], prefill_chunk=A.STEP_TOKENS,
                       block_size=unit, max_model_len=1 << 40, lockstep=True, max_output=1)

@@ -2,6 +2,7 @@
 policy, the recommendation rule, the CLI's errors and the serve line."""
 
 import argparse
+import dataclasses
 import shlex
 
 import pytest
@@ -19,6 +20,7 @@ from atom_hybrid_cache.replay.trace_model import Conversation, TraceRequest
 from atom_hybrid_cache.replay.traces import default_sample_paths, load_traces
 
 INTERVAL = env_var("placement", "interval_tokens")
+ORDER = env_var("server", "admission_order")
 IDS = 300          # a prompt of 300 trace ids = 19,200 tokens
 
 
@@ -66,6 +68,35 @@ def test_a_ladder_is_recommended_where_prompts_are_cut_below_every_state():
     assert f"recommended: {INTERVAL}=8192" in text
 
 
+def copied(conv: Conversation, k: int) -> Conversation:
+    """Conversation `conv` again under another name, its trace ids moved
+    out of every other copy's range (no prefix shared between copies)."""
+    name = f"{conv.conversation_id}-copy{k}"
+    reqs = [dataclasses.replace(r, conversation_id=name,
+                                trace_block_ids=tuple(i + k * 10**7 for i in r.trace_block_ids))
+            for r in conv.requests]
+    return Conversation(name, reqs, source=f"{name}.json")
+
+
+def test_hits_first_is_recommended_where_cold_prompts_take_the_resumes_pages():
+    """Three copies of the embedded sample (12 conversations) at 5 GiB, 4 in
+    flight, saturated: the pool holds 60 checkpoints' worth, and in arrival
+    order the cold first turns admitted ahead of the resumes take the
+    pages their prefixes sit on. Hits first keeps 13.3 points more, on
+    both halves (+7.7 and +6.0 points of the ceiling); nothing else in the
+    grid comes close."""
+    convs = [copied(c, k) if k else c for k in range(3) for c in embedded_sample()]
+    a = advise(convs, QWEN35, memory_gib=5, concurrency=4)
+    assert a.recommended.candidate == Candidate(PLUGIN_HASH_UNIT, ((ORDER, "hits-first"),))
+    assert (round(a.default.full, 4), round(a.recommended.full, 4)) == (0.5358, 0.6685)
+    assert a.noise < a.gain
+    for rec, dflt in zip(a.recommended.halves, a.default.halves):
+        assert rec > dflt
+    text = format_advice(a, model="qwen3.5-27b", memory_gib=5, concurrency=4)
+    assert ("  VLLM_PLUGINS=atom_hybrid_cache ATOM_ADMISSION_ORDER=hits-first "
+            "vllm serve Qwen/Qwen3.5-27B --enable-prefix-caching") in text.splitlines()
+
+
 def test_the_defaults_are_recommended_where_nothing_beats_them():
     a = advise(embedded_sample(), QWEN35, memory_gib=40, concurrency=4)
     assert a.recommended is a.default
@@ -83,17 +114,17 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
     assert "recommended: the defaults" in text
     assert ("  VLLM_PLUGINS=atom_hybrid_cache vllm serve Qwen/Qwen3.5-27B "
             "--enable-prefix-caching") in text.splitlines()
-    # the second stage, around the defaults: the gate and floor variants the
-    # planner runs; what it does not model is said so
+    # the second stage, around the defaults: the gate, floor, price and
+    # fallback variants the planner runs; the third, hits first on the
+    # defaults; every setting modelled, none said to be left out
     axes = server_axes()
+    assert axes == SERVER_AXES
     variants = 1
     for ax in axes:
         variants *= len(ax[3])
-    assert len(a.outcomes) == 16 + variants - 1
-    missing = [f"{env_var(ax[1], ax[2])} (" for ax in SERVER_AXES if ax not in axes]
-    said = [line for line in text.splitlines() if line.startswith("not modelled, left at default: ")]
-    assert len(said) == 1
-    assert all(m in said[0] for m in missing + ["ATOM_ADMISSION_ORDER (arrival)"])
+    assert len(a.outcomes) == 16 + variants - 1 + 1
+    assert a.outcomes[-1].candidate == Candidate(PLUGIN_HASH_UNIT, ((ORDER, "hits-first"),))
+    assert not [line for line in text.splitlines() if line.startswith("not modelled")]
 
 
 def outcome(candidate, full, halves):
@@ -236,5 +267,6 @@ def test_a_paced_client_is_advised_on_its_own_traffic():
     # placement ones (price, fallback) read from the placement settings
     assert ("not swept, run by the planner at default: ATOM_ADMISSION_GATE (auto), "
             "ATOM_STATE_CHECKPOINT_FLOOR (0.25,0.5), ATOM_EVICTION_PRICE_WEIGHT (auto), "
-            "ATOM_STATE_CHECKPOINT_FALLBACK (0.5,0.85)") in text.splitlines()
+            "ATOM_STATE_CHECKPOINT_FALLBACK (0.5,0.85), ATOM_ADMISSION_ORDER (arrival)"
+            ) in text.splitlines()
     assert parse(["--model", "qwen3.5-27b", "--memory-gib", "6", "--time-scale", "1"]).time_scale == 1

@@ -32,11 +32,13 @@ def _cached(mod, convs, w, multiple, block, policies):
 # and the two sweep cells; the scaled workload (50 a slot) at the fade's
 # 0.25 x (1 - 18 / 88) (AUTO_FADED). vLLM's scheduler gives the same
 # (tests/e2e/test_scheduler_only_replay.py).
-FIFO = {"elided": {"native": 13_184, "plugin": 14_720, "plugin-ungated": 14_528},
+FIFO = {"elided": {"native": 13_184, "plugin": 14_720, "plugin-ungated": 14_528,
+                   "plugin-hits-first": 17_664},
         "scaled": {"native": 702_944, "plugin": 804_736},
         (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 242_816},
         (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 321_920}}
-PRICED = {"elided": {"native": 13_184, "plugin": 15_936, "plugin-ungated": 15_424},
+PRICED = {"elided": {"native": 13_184, "plugin": 15_936, "plugin-ungated": 15_424,
+                     "plugin-hits-first": 17_344},
           "scaled": {"native": 702_944, "plugin": 813_888},
           (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_992},
           (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 355_840}}
@@ -57,12 +59,14 @@ def expected(request, monkeypatch):
 
 def test_the_elided_workload_at_0_83(agreement, expected):
     """63 pages, 20 checkpoints' worth: the gate on (the default), no
-    floors; plugin-ungated with the gate off."""
+    floors; plugin-ungated with the gate off; plugin-hits-first with
+    ATOM_ADMISSION_ORDER=hits-first (before the planner modelled it, its
+    figure was the plugin's)."""
     E = agreement.E
     convs = E.build_workload(E.resolve_trace_paths(None), 2000)
     w = E.lockstep_workload(convs, 4, E.BLOCK_SIZE)
     pages, got = _cached(agreement, convs, w, 0.83, E.BLOCK_SIZE,
-                         ("native", "plugin", "plugin-ungated"))
+                         ("native", "plugin", "plugin-ungated", "plugin-hits-first"))
     assert pages == 63
     assert got == expected["elided"]
 
@@ -80,6 +84,23 @@ def test_the_scaled_workload_at_0_83(agreement, expected):
     pages, got = _cached(agreement, convs, w, 0.83, block, ("native", "plugin"))
     assert (pages, agreement.checkpoints_worth(pages, block)) == (599, 199)
     assert got == expected["scaled"]
+
+
+def test_hits_first_on_the_scaled_workload(agreement, monkeypatch):
+    """ATOM_ADMISSION_ORDER=hits-first at the defaults, 0.83x and 1.0x of
+    the scaled workload: vLLM's scheduler gives the same (BENCHMARKS.md,
+    "The planner against vLLM's scheduler"), the plugin in arrival order
+    816,288 at 0.83x."""
+    monkeypatch.delenv("ATOM_ADMISSION_GATE", raising=False)
+    monkeypatch.delenv("ATOM_EVICTION_PRICE_WEIGHT", raising=False)
+    E = agreement.E
+    convs = E.build_workload(E.traces_fitting(64000), 0, tokens_per_id=8)
+    block = E.GEOMETRIES["small-block"]["block_size"]
+    w = E.lockstep_workload(convs, 4, block)
+    got = {m: _cached(agreement, convs, w, m, block, ("plugin-hits-first",))
+           for m in (0.83, 1.0)}
+    assert got == {0.83: (599, {"plugin-hits-first": 822_048}),
+                   1.0: (721, {"plugin-hits-first": 853_088})}
 
 
 # Two cells of benchmarks/small_pool_sweep.py (subset, checkpoints' worth,

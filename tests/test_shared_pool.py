@@ -399,3 +399,28 @@ def test_a_preempted_request_is_admitted_once():
     mgr.finish(first)
     assert _serve(mgr, _request("c", B)) == 40     # its prompt end, as kept
     assert mgr.planner.stats.admissions == 3
+
+
+def test_hits_first_moves_the_resume_ahead_of_the_cold_prompt():
+    """ATOM_ADMISSION_ORDER=hits-first in the model: after A, C (cold) and B
+    (A's next turn, a hit at 32) wait, C first; B goes first, C is passed
+    over once (forgotten once admitted). Without the gate C's pages would
+    come from the free queue's head, A's units behind it."""
+    mgr = _manager(12, max_num_seqs=2, step_tokens=64, admission_order="hits-first")
+    _serve(mgr, _request("a", A))
+    b, c = _request("b", B), _request("c", C40)
+    waiting = [c, b]
+    assert mgr.open_step(waiting, []) == []
+    assert waiting == [b, c] and mgr.window.passed_over == {"c": 1}
+    assert mgr.admit(b, 64).hit_tokens == 32
+    mgr.prefill_done(b, mgr.next_chunk(b, 64))
+    mgr.close_step(9)
+    mgr.finish(b)
+    assert mgr.window.passed_over == {"c": 1}
+    mgr.open_step([c], [])
+    assert mgr.admit(c, 64) is not None and mgr.window.passed_over == {}
+    # arrival order (the default) leaves the queue as it came
+    mgr = _manager(12, max_num_seqs=2, step_tokens=64)
+    _serve(mgr, _request("a", A))
+    waiting = [c2 := _request("c", C40), _request("b", B)]
+    assert mgr.open_step(waiting, []) == [] and waiting[0] is c2

@@ -32,3 +32,14 @@ class HeldRequest:
     # a group): no indexed content, vLLM relocates them down the block table
     # rather than take more
     scratch: list = field(default_factory=list)
+
+    def passed_state(self, computed: int, page_tokens: int) -> list:
+        """vLLM's `remove_skipped_blocks`, which every allocation of a
+        running request runs before it counts the free pages (so a request
+        short of room has already given it back): the last state column
+        leaves the block table once the computed tokens are past the
+        column after it. Its pages, to free (none before that)."""
+        if self.last_col is None or self.last_col >= -(-computed // page_tokens) - 1:
+            return []
+        self.last_col = None
+        return self.retired.pop()[1]

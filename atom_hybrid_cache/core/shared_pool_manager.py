@@ -30,8 +30,8 @@ What the plugin does in vLLM, and this model with it:
   freed before the room for its next chunk is counted.
 
 Left out (see BENCHMARKS.md, "The planner against vLLM's scheduler"):
-hits-first admission order, `cached_blocks_this_step`, the KV of draft
-tokens (a page at most a running request), more than one attention group.
+`cached_blocks_this_step`, the KV of draft tokens (a page at most a running
+request), more than one attention group.
 
 The interface is `manager.HybridCacheManager`'s, so `replay.simulator`
 drives either.
@@ -59,11 +59,12 @@ from .stats import CacheStats
 class SharedPoolManager:
     def __init__(self, shape: SharedPoolShape, placement: PlacementConfig, *,
                  floor_fractions: tuple = (), plugin: bool = True,
-                 admission_gate: str = "off", oracle_limit: int = 1 << 62) -> None:
-        """`floor_fractions` and `admission_gate` (its ATOM_ADMISSION_GATE
-        mode): the server's, as the plugin gets them; the policy drops the
-        floors where a slot's share cannot afford them (`auto` gates at
-        every size)."""
+                 admission_gate: str = "off", admission_order: str = "arrival",
+                 oracle_limit: int = 1 << 62) -> None:
+        """`floor_fractions`, `admission_gate` (its ATOM_ADMISSION_GATE
+        mode) and `admission_order` (ATOM_ADMISSION_ORDER's): the server's,
+        as the plugin gets them; the policy drops the floors where a slot's
+        share cannot afford them (`auto` gates at every size)."""
         self.shape = shape
         self.plugin = plugin
         self.block_size = shape.hash_unit     # the simulator's hash unit
@@ -87,8 +88,9 @@ class SharedPoolManager:
         # states: written, read, evicted (a state is lost with any of its pages)
         self.writes = self.reads = self.evicted_states = self.dropped = 0
         self._live_states: set = set()   # first group's keys of the kept states
-        # the floors and the admission gate, where the plugin runs them
-        # (vllm/scheduler_setup.py: floors with the reuse-aware release)
+        # the floors, hits first and the admission gate, where the plugin
+        # runs them (vllm/scheduler_setup.py: floors with the reuse-aware
+        # release)
         self.window: Optional[SharedPoolWindow] = None
         if plugin:
             floors = self.policy.floor_ledger_fractions
@@ -96,8 +98,10 @@ class SharedPoolManager:
             if gate and not shape.step_tokens:
                 raise ValueError("the admission gate's model needs the step's tokens "
                                  "(SharedPoolShape.step_tokens)")
-            if gate or floors:
-                self.window = SharedPoolWindow(self, gate=gate, floor_fractions=floors)
+            hits_first = admission_order == "hits-first"
+            if gate or floors or hits_first:
+                self.window = SharedPoolWindow(self, gate=gate, floor_fractions=floors,
+                                               hits_first=hits_first)
             self.planner.gate_on = gate
 
     # -- the pool's evictions ---------------------------------------
@@ -112,10 +116,12 @@ class SharedPoolManager:
         return pages_per_token(self.policy.eviction_price_weight, self.shape.num_pages,
                                self.shape.page_tokens)
 
-    def open_step(self, waiting: Sequence, running: Sequence) -> list:
+    def open_step(self, waiting: list, running: Sequence) -> list:
         """Before a step (`waiting`, `running`: in vLLM's order): the requests
-        in flight size the share (as `vllm/scheduler.py`), then the floors
-        and the gate's pins; the waiting requests the gate holds out."""
+        in flight size the share (as `vllm/scheduler.py`), then the floors,
+        hits first (which reorders `waiting` in place, as the adapter
+        reorders vLLM's queue) and the gate's pins; the waiting requests
+        the gate holds out."""
         if self.plugin and self.policy.observe_in_flight(len(waiting) + len(running)):
             self.pool.set_price_weight(self._price_weight())
             if self.window is not None and self.window.floors is not None:
@@ -219,6 +225,8 @@ class SharedPoolManager:
             held.retired.append((hit, hit_state))
             held.last_col = hit // P - 1
         self._held[req.request_id] = held
+        if self.window is not None:
+            self.window.forget_passed_over(req.request_id)
         req.hit_tokens = hit
         req.num_computed = hit
         req.blocks = kv
@@ -267,7 +275,7 @@ class SharedPoolManager:
         held = self._held[req.request_id]
         start = req.num_computed
         end = start + n
-        self._free_passed_state(held, start)
+        self.pool.free(held.passed_state(start, P))
         if not self._retire_mid_page_running(held):
             return False
         new_kv = max(0, -(-end // P) - len(held.kv))
@@ -308,15 +316,6 @@ class SharedPoolManager:
         for g, page in enumerate(old):
             self._cow_sources[g].append(page)
         return True
-
-    def _free_passed_state(self, held: HeldRequest, computed: int) -> None:
-        """vLLM's `remove_skipped_blocks`, which every allocation of a running
-        request runs before it counts the free pages (so a request short of
-        room has already given it back): the last state column leaves the
-        block table once the computed tokens are past the column after it."""
-        if held.last_col is not None and held.last_col < -(-computed // self.page) - 1:
-            self.pool.free(held.retired.pop()[1])
-            held.last_col = None
 
     def prefill_done(self, req, n: int) -> None:
         if n <= 0:
@@ -362,7 +361,7 @@ class SharedPoolManager:
         if not (self.plugin and held.retired and held.retired[-1][0] == prompt_end):
             # (the plugin holds the prompt-end state to the release:
             # vllm/anchor_holds.py)
-            self._free_passed_state(held, req.num_computed)
+            self.pool.free(held.passed_state(req.num_computed, self.page))
         new = req.num_tokens + n
         need = -(-new // P) - len(held.kv)
         if need > 0:

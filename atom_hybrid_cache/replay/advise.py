@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 from ..config import Settings, load_settings
 from ..core.pool_budget import pool_checkpoints
 from ..core.shared_pool_shape import SharedPoolShape, shared_pool_policy
-from .advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around, grid, planner_runs,
-                          server_axes)
+from .advise_grid import (ORDER_AXES, PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around, grid,
+                          planner_runs, server_axes)
 from .client_clock import ClientClock
 from .policies import build_policies
 from .simulator import SimSettings
@@ -137,8 +137,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
            second_stage: bool = True, jobs: int = 2, progress=None) -> Advice:
     """Run every candidate (default: `grid()`; the defaults must be among
     them) on the whole set and its halves, then, with `second_stage`, the
-    server axes the planner runs `around` the first stage's choice; choose
-    over all. `time_scale`: the replay's client clock (0: saturated).
+    server axes the planner runs `around` the first stage's choice, and
+    the admission order around the best of those; choose over all. `time_scale`: the replay's client clock (0: saturated).
     `progress(runs)`, if given, returns the callback each finished run
     calls with 1 (once per stage)."""
     from .memory_split import shared_pool_layout
@@ -168,9 +168,12 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
                 concurrency=concurrency, prefill_chunk=prefill_chunk, block_size=unit,
                 max_model_len=geometry.max_model_len, clock=clock))
     gate_runs = planner_runs(("server", "admission_gate"))
+    order_runs = planner_runs(("server", "admission_order"))
 
     def spec(name: str, unit: int, settings: Settings):
-        gate = {"admission_gate": settings.server.admission_gate} if gate_runs else {}
+        gate = ({"admission_gate": settings.server.admission_gate} if gate_runs else {})
+        if order_runs:
+            gate["admission_order"] = settings.server.admission_order
         return build_policies(
             [name], kv_bytes_per_token=geometry.kv_bytes_per_token,
             state_slot_bytes=geometry.state_slot_bytes, budget_bytes=budget, block_size=unit,
@@ -196,7 +199,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
         if gate_runs:
             from ..core.gate_steps import gate_on
             gate = gate_on(settings.server.admission_gate)
-        return unit, policy.placement, policy.floor_fractions, gate
+        return (unit, policy.placement, policy.floor_fractions, gate,
+                settings.server.admission_order)
 
     hits: dict = {}     # effective settings (or "ceiling") -> hit rate per subset
 
@@ -223,6 +227,9 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     best, _, _ = choose(outcomes)
     if second_stage and server_axes():
         outcomes += run(around(best.candidate), with_ceiling=False)
+        best, _, _ = choose(outcomes)
+    if second_stage and order_runs:
+        outcomes += run(around(best.candidate, ORDER_AXES), with_ceiling=False)
     best, gain, noise = choose(outcomes)
     return Advice(outcomes, next(o for o in outcomes if o.candidate.is_default), best, gain,
                   noise, page, layout.num_pages, pool_checkpoints(pool_tokens, checkpoint_tokens),

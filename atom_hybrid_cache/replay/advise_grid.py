@@ -5,8 +5,9 @@ defaults, and the help text that names them.
 The grid: the prefix-hash unit (the plugin's 64 tokens or vLLM's page), a
 state ladder, the cold checkpoints and the states a release retains (each
 setting the shared-pool model runs); then, around the best of those, the
-admission gate, the floor states and priced eviction, where the planner
-runs them (`planner_runs`). The admission order is not modelled. Each candidate's
+admission gate, the floor states, priced eviction and the fallback rungs,
+where the planner runs them (`planner_runs`); last, on the best of all, the
+admission order. Each candidate's
 variables are parsed back through `config.load_settings` over the server's
 defaults, so what is printed is what a server would read.
 """
@@ -66,16 +67,17 @@ SERVER_AXES = (
     ("fallback", "placement", "fallback_fractions", ((0.5, 0.85), ())),
 )
 
-# Server settings no stage sweeps: (section, field).
-NEVER_SWEPT = (("server", "admission_order"),)
+# The third stage, on the second's choice: hits first reorders the window
+# the gate then judges, so it is tried on the gate that won (one candidate).
+ORDER_AXES = (("order", "server", "admission_order", ("arrival", "hits-first")),)
 
 
 def planner_runs(section_field: tuple) -> bool:
     """Whether the planner's `default` runs this server setting. The floors
     and the gate are being added to it (issue 31), so this asks the code
     rather than a list: floors where the shared-pool model acts on vLLM's
-    admission window (`open_step`), the gate where the policies carry its
-    mode. The admission order is not modelled."""
+    admission window (`open_step`), the gate and the admission order where
+    the policies carry them."""
     import inspect
 
     from ..core.shared_pool_manager import SharedPoolManager
@@ -84,8 +86,8 @@ def planner_runs(section_field: tuple) -> bool:
         return True          # the shared-pool model's page pool and placement run them
     if name == "floor_fractions":
         return hasattr(SharedPoolManager, "open_step")
-    if name == "admission_gate":
-        return "admission_gate" in inspect.signature(build_policies).parameters
+    if name in ("admission_gate", "admission_order"):
+        return name in inspect.signature(build_policies).parameters
     return False
 
 
@@ -99,8 +101,9 @@ GRID_HELP = (
     f"{env_var('placement', 'eviction_price_weight')} {{auto, 0, {AUTO_PRICE_WEIGHT:g}}} x "
     f"{env_var('placement', 'fallback_fractions')} {{0.5,0.85, none}}, "
     "where the planner models "
-    "them (else left at default, and said so). The first value of each is the default. Not "
-    "modelled, left at default: " + ", ".join(env_var(*f) for f in NEVER_SWEPT) + ".")
+    "them (else left at default, and said so); (3) on the best of all: "
+    f"{env_var('server', 'admission_order')} {{arrival, hits-first}}. The first value of each "
+    "is the default.")
 
 
 def format_value(value) -> str:
@@ -160,8 +163,8 @@ def server_axes() -> tuple:
     return tuple(ax for ax in SERVER_AXES if planner_runs((ax[1], ax[2])))
 
 
-def around(base: Candidate) -> list[Candidate]:
-    """The second stage: `base` with each combination of the server axes
-    the planner runs (`base` itself left out)."""
+def around(base: Candidate, axes: tuple = ()) -> list[Candidate]:
+    """`base` with each combination of `axes` (default: the second stage's,
+    the server axes the planner runs; `base` itself left out)."""
     return [Candidate(base.hash_unit, base.env + extra)
-            for extra in combinations(server_axes())[1:]]
+            for extra in combinations(axes or server_axes())[1:]]

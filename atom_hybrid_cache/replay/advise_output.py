@@ -12,7 +12,7 @@ import time
 from ..config import ENV_VARS, server_defaults
 from ..core.pool_budget import MIN_SLOT_CHECKPOINTS
 from .advise import MIN_GAIN, Advice, Outcome, advise
-from .advise_grid import (NEVER_SWEPT, PAGE_UNIT, PLACEMENT_AXES, PLUGIN_HASH_UNIT, SERVER_AXES,
+from .advise_grid import (ORDER_AXES, PAGE_UNIT, PLACEMENT_AXES, PLUGIN_HASH_UNIT, SERVER_AXES,
                           Candidate, env_var, format_value, planner_runs)
 
 # Hugging Face names of the geometry presets, for the printed serve line.
@@ -49,7 +49,8 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
         "",
     ]
     swept = {v for o in a.outcomes for v, _ in o.candidate.env}
-    axes = PLACEMENT_AXES + tuple(ax for ax in SERVER_AXES if env_var(ax[1], ax[2]) in swept)
+    axes = PLACEMENT_AXES + tuple(ax for ax in SERVER_AXES + ORDER_AXES
+                                  if env_var(ax[1], ax[2]) in swept)
     header = ["unit", *(ax[0] for ax in axes), "hit", "hit/ceil", "band (halves)",
               "vs defaults"]
     rows = []
@@ -83,9 +84,10 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
         return ", ".join(f"{env_var(*f)} "
                          f"({format_value(getattr(getattr(defaults, f[0]), f[1])) or 'none'})"
                          for f in fields)
-    unswept = [(ax[1], ax[2]) for ax in SERVER_AXES if env_var(ax[1], ax[2]) not in swept]
+    unswept = [(ax[1], ax[2]) for ax in SERVER_AXES + ORDER_AXES
+               if env_var(ax[1], ax[2]) not in swept]
     modelled = [f for f in unswept if planner_runs(f)]
-    missing = [f for f in unswept if not planner_runs(f)] + list(NEVER_SWEPT)
+    missing = [f for f in unswept if not planner_runs(f)]
     if modelled:
         lines.append(f"not swept, run by the planner at default: {listed(modelled)}")
     switched = {"admission_gate", "floor_fractions"} & {f[1] for f in missing}
@@ -98,7 +100,8 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
                   f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth (here {slot}), "
                   + ("so its figure may differ" if slot >= MIN_SLOT_CHECKPOINTS
                      else "and keeps them off here, as the planner does"))
-    lines.append(f"not modelled, left at default: {listed(missing)}{where}")
+    if missing:
+        lines.append(f"not modelled, left at default: {listed(missing)}{where}")
     d = a.default
     if a.recommended is d:
         lines.append(f"recommended: the defaults (no candidate beats them by at least "

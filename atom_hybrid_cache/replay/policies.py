@@ -44,6 +44,7 @@ class PolicySpec:
     shared_pool: Optional[PlacementConfig] = None
     floor_fractions: tuple = ()
     admission_gate: str = "off"
+    admission_order: str = "arrival"
     plugin: bool = True
     # shared pool, the plugin: the tokens one prefix hash covers (0: the
     # workload's block size)
@@ -70,11 +71,12 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                    headroom_slots: int, base_placement: PlacementConfig,
                    align_layout=None, server_placement: Optional[PlacementConfig] = None,
                    floor_fractions: tuple = (), admission_gate: str = "off",
+                   admission_order: str = "arrival",
                    plugin_hash_unit: int = 0) -> list[PolicySpec]:
     """`align_layout`: geometry.SharedPoolLayout of vLLM's pool, for the
     shared-pool policies, `default` and `vllm-align` (computed with
     page_tokens_multiple=block_size); `server_placement`,
-    `floor_fractions` and `admission_gate`: the vLLM server's settings,
+    `floor_fractions`, `admission_gate` and `admission_order`: the vLLM server's settings,
     which `default` runs (None: `base_placement`), hashing prefixes on
     `plugin_hash_unit` tokens (0: `block_size`)."""
 
@@ -111,7 +113,8 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                                     pages_per_state=lay.pages_per_state_slot,
                                     shared_pool=server_placement or base_placement,
                                     floor_fractions=floor_fractions,
-                                    admission_gate=admission_gate, hash_unit=plugin_hash_unit,
+                                    admission_gate=admission_gate,
+                                    admission_order=admission_order, hash_unit=plugin_hash_unit,
                                     speculative_state_pages=num_spec))
         elif name == "separate-pools":
             specs.append(PolicySpec(name, default))

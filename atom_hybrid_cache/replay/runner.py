@@ -49,7 +49,8 @@ def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, 
                                 max_num_seqs=s.concurrency, step_tokens=s.prefill_chunk,
                                 speculative_state_pages=spec.speculative_state_pages)
         mgr = SharedPoolManager(shape, spec.shared_pool, floor_fractions=spec.floor_fractions,
-                                plugin=spec.plugin, admission_gate=spec.admission_gate)
+                                plugin=spec.plugin, admission_gate=spec.admission_gate,
+                                admission_order=spec.admission_order)
         totals = simulate(workload.conversations, workload.source, mgr, _make_request, s, progress)
         extra = dict(fates=mgr.fates(), writes=mgr.writes, kv_blocks=spec.num_pages,
                      state_slots=0, page_tokens=spec.page_tokens, hash_unit=s.block_size,
@@ -190,7 +191,8 @@ def server_policy(placement: PlacementConfig) -> dict:
     return dict(server_placement=dataclasses.replace(
                     server.placement, interval_tokens=placement.interval_tokens),
                 floor_fractions=server.server.floor_fractions,
-                admission_gate=server.server.admission_gate)
+                admission_gate=server.server.admission_gate,
+                admission_order=server.server.admission_order)
 
 
 def compare(workload: Workload, geometry, *, memory_gib: float, policies: list[str],

@@ -8,8 +8,8 @@ The model is vLLM's scheduler reduced to what moves cache contents:
   its think time after the previous one finished, steps take time, and a
   sub-agent runs on a lane of its own while its parent's lane waits;
 - a manager with `open_step` (the plugin's model) acts on vLLM's admission
-  window before each step: the requests its admission gate holds sit that
-  step out, in front of the queue;
+  window before each step: it may reorder the queue (hits first), and the
+  requests its admission gate holds sit that step out, in front of it;
 - every step has a token budget (`prefill_chunk`): running decodes take one
   token each, then running prefills take chunks (cut where the manager says),
   then waiting requests are admitted first come first served while memory
@@ -95,12 +95,9 @@ class _Live:
 
     def __init__(self, core, lane, output_len, uid, prev_prompt_len=None):
         self.prev_prompt_len = prev_prompt_len
-        self.core = core
-        self.lane = lane
-        self.output_len = output_len
+        self.core, self.lane, self.output_len, self.uid = core, lane, output_len, uid
         self.decoded = 0
         self.admitted_once = False
-        self.uid = uid
         # preempted for its own tokens with nothing else running
         self.alone_preemptions = 0
 
@@ -270,8 +267,12 @@ def simulate(conversations: list, source: BlockSource, manager, make_request: Ca
         prefill_tokens = 0
         held_out: list = []
         if open_step is not None:
-            held_ids = {id(c) for c in open_step([w.core for w in waiting],
-                                                 [r.core for r in running])}
+            cores = [w.core for w in waiting]
+            held_ids = {id(c) for c in open_step(cores, [r.core for r in running])}
+            if any(c is not w.core for c, w in zip(cores, waiting)):
+                live_of = {id(w.core): w for w in waiting}
+                waiting.clear()
+                waiting.extend(live_of[id(c)] for c in cores)
             if held_ids:
                 held_out = [w for w in waiting if id(w.core) in held_ids]
                 rest = [w for w in waiting if id(w.core) not in held_ids]

@@ -87,6 +87,7 @@ def after_schedule(sched, parts, out) -> None:
         parts.passed_over.pop(new.req_id, None)
     for rid in out.scheduled_cached_reqs.resumed_req_ids:
         _count_resumed(sched, planner, out, rid)
+        parts.passed_over.pop(rid, None)
     if planner.interior_readable:
         for rid, n in out.num_scheduled_tokens.items():
             request = sched.requests[rid]

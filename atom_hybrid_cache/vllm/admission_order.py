@@ -1,8 +1,7 @@
-"""Admission: hits first (`ATOM_ADMISSION_ORDER=hits-first`). Among the
-first `max_num_seqs` waiting requests, those that resume on a cached prefix
-go first, the largest hit first: vLLM admits in arrival order, and a cold
-prefill ahead of them allocates its pages from the LRU head, where their
-prefixes sit. A request passed over `max_num_seqs` times keeps its place.
+"""Admission: hits first (`ATOM_ADMISSION_ORDER=hits-first`), on vLLM's
+waiting queue. The order is `core.admission_order.hits_first` (the
+planner's model runs the same); this file looks the window's requests up in
+vLLM's pool and reorders the queue.
 """
 
 from __future__ import annotations
@@ -10,6 +9,8 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from typing import Optional
+
+from ..core.admission_order import hits_first
 
 
 def order_waiting(sched, passed_over: dict, hits: Optional[dict] = None) -> None:
@@ -30,25 +31,20 @@ def order_waiting(sched, passed_over: dict, hits: Optional[dict] = None) -> None
     kvm = sched.kv_cache_manager
     coordinator = kvm.coordinator
 
-    def rank(request) -> tuple:
-        if passed_over.get(request.request_id, 0) >= limit:
-            return (0, 0)
-        if request.num_computed_tokens or not kvm.prefix_cache_lookup_enabled(request):
-            return (1, 0)
+    def look_up(i: int) -> int:
+        request = window[i]
         blocks, hit = coordinator.find_longest_cache_hit(request.block_hashes,
                                                          request.num_tokens - 1)[:2]
         if hits is not None:
             hits[request.request_id] = (blocks, hit)
-        return (1, -hit) if hit else (2, 0)
+        return hit
 
-    ranks = [rank(r) for r in window]
-    order = sorted(range(len(window)), key=lambda i: ranks[i])
-    if order == list(range(len(window))):
+    order = hits_first([r.request_id for r in window],
+                       [not r.num_computed_tokens and kvm.prefix_cache_lookup_enabled(r)
+                        for r in window],
+                       look_up, passed_over, limit)
+    if order is None:
         return
-    for pos, i in enumerate(order):
-        if pos > i:  # moved back: passed over this step
-            rid = window[i].request_id
-            passed_over[rid] = passed_over.get(rid, 0) + 1
     rest = list(itertools.islice(waiting, len(window), None))
     waiting.clear()
     waiting.extend([window[i] for i in order] + rest)
