@@ -275,7 +275,8 @@ class SharedPoolManager:
         held = self._held[req.request_id]
         start = req.num_computed
         end = start + n
-        self.pool.free(held.passed_state(start, P))
+        if passed := held.passed_state(start, P):
+            self.pool.free(passed)
         if not self._retire_mid_page_running(held):
             return False
         new_kv = max(0, -(-end // P) - len(held.kv))
@@ -361,7 +362,8 @@ class SharedPoolManager:
         if not (self.plugin and held.retired and held.retired[-1][0] == prompt_end):
             # (the plugin holds the prompt-end state to the release:
             # vllm/anchor_holds.py)
-            self.pool.free(held.passed_state(req.num_computed, self.page))
+            if passed := held.passed_state(req.num_computed, self.page):
+                self.pool.free(passed)
         new = req.num_tokens + n
         need = -(-new // P) - len(held.kv)
         if need > 0:
