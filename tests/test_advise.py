@@ -12,8 +12,7 @@ from atom_hybrid_cache.config import load_settings, server_defaults
 from atom_hybrid_cache.replay.advise import Outcome, advise, choose, split_halves
 from atom_hybrid_cache.replay.advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, SERVER_AXES,
                                                   Candidate, combinations, env_var,
-                                                  format_value, grid, planner_runs,
-                                                  server_axes)
+                                                  format_value, grid)
 from atom_hybrid_cache.replay.advise_output import format_advice, serve_line
 from atom_hybrid_cache.replay.geometry import geometry_from_args
 from atom_hybrid_cache.replay.trace_model import Conversation, TraceRequest
@@ -118,10 +117,8 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
     # the second stage, around the defaults: the gate, floor, price and
     # fallback variants the planner runs; the third, hits first on the
     # defaults; every setting modelled, none said to be left out
-    axes = server_axes()
-    assert axes == SERVER_AXES
     variants = 1
-    for ax in axes:
+    for ax in SERVER_AXES:
         variants *= len(ax[3])
     assert len(a.outcomes) == 16 + variants - 1 + 1
     assert a.outcomes[-1].candidate == Candidate(PLUGIN_HASH_UNIT, ((ORDER, "hits-first"),))
@@ -231,7 +228,6 @@ def test_the_price_axis_prints_and_parses_as_a_server_reads_it():
     default, unset), 0 and 0.25, each parsed back as the server parses it."""
     axis = next(ax for ax in SERVER_AXES if ax[2] == "eviction_price_weight")
     assert [format_value(v) for v in axis[3]] == ["auto", "0", "0.25"]
-    assert planner_runs((axis[1], axis[2]))
     var = env_var(axis[1], axis[2])
     weights = [Candidate(PLUGIN_HASH_UNIT, ((var, format_value(v)),)).settings()
                .placement.eviction_price_weight for v in axis[3][1:]]
@@ -245,7 +241,6 @@ def test_the_fallback_axis_prints_and_parses_as_a_server_reads_it():
     axis = next(ax for ax in SERVER_AXES if ax[2] == "fallback_fractions")
     assert axis[3][0] == server_defaults().placement.fallback_fractions
     assert [format_value(v) for v in axis[3]] == ["0.5,0.85", ""]
-    assert planner_runs((axis[1], axis[2])) and axis in server_axes()
     off = Candidate(PLUGIN_HASH_UNIT, ((env_var(axis[1], axis[2]), ""),)).settings()
     assert off.placement.fallback_fractions == ()
 

@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from ..config import Settings, load_settings
+from ..core.gate_steps import gate_on
 from ..core.pool_budget import pool_checkpoints
 from ..core.shared_pool_shape import SharedPoolShape, shared_pool_policy
-from .advise_grid import (ORDER_AXES, PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around, grid,
-                          planner_runs, server_axes)
+from .advise_grid import ORDER_AXES, PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around, grid
 from .client_clock import ClientClock
 from .policies import build_policies
 from .simulator import SimSettings
@@ -137,8 +137,9 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
            second_stage: bool = True, jobs: int = 2, progress=None) -> Advice:
     """Run every candidate (default: `grid()`; the defaults must be among
     them) on the whole set and its halves, then, with `second_stage`, the
-    server axes the planner runs `around` the first stage's choice, and
-    the admission order around the best of those; choose over all. `time_scale`: the replay's client clock (0: saturated).
+    server axes `around` the first stage's choice, and the admission order
+    around the best of those; choose over all. `time_scale`: the replay's
+    client clock (0: saturated).
     `progress(runs)`, if given, returns the callback each finished run
     calls with 1 (once per stage)."""
     from .memory_split import shared_pool_layout
@@ -167,20 +168,17 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
             _WORKLOADS[(s, unit)] = Workload(convs, TokenExpander(), SimSettings(
                 concurrency=concurrency, prefill_chunk=prefill_chunk, block_size=unit,
                 max_model_len=geometry.max_model_len, clock=clock))
-    gate_runs = planner_runs(("server", "admission_gate"))
-    order_runs = planner_runs(("server", "admission_order"))
 
     def spec(name: str, unit: int, settings: Settings):
-        gate = ({"admission_gate": settings.server.admission_gate} if gate_runs else {})
-        if order_runs:
-            gate["admission_order"] = settings.server.admission_order
         return build_policies(
             [name], kv_bytes_per_token=geometry.kv_bytes_per_token,
             state_slot_bytes=geometry.state_slot_bytes, budget_bytes=budget, block_size=unit,
             max_num_seqs=concurrency, num_spec=0, headroom_slots=default_headroom(concurrency),
             base_placement=load_settings(environ={}).placement, align_layout=layout,
             server_placement=settings.placement,
-            floor_fractions=settings.server.floor_fractions, **gate)[0]
+            floor_fractions=settings.server.floor_fractions,
+            admission_gate=settings.server.admission_gate,
+            admission_order=settings.server.admission_order)[0]
 
     def effective(c: Candidate) -> tuple:
         """What the pool makes of a candidate's settings: candidates equal
@@ -195,12 +193,8 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
                                 max_num_seqs=concurrency)
         policy = shared_pool_policy(shape, settings.placement, settings.server.floor_fractions,
                                     in_flight=concurrency)
-        gate = None
-        if gate_runs:
-            from ..core.gate_steps import gate_on
-            gate = gate_on(settings.server.admission_gate)
-        return (unit, policy.placement, policy.floor_fractions, gate,
-                settings.server.admission_order)
+        return (unit, policy.placement, policy.floor_fractions,
+                gate_on(settings.server.admission_gate), settings.server.admission_order)
 
     hits: dict = {}     # effective settings (or "ceiling") -> hit rate per subset
 
@@ -225,10 +219,9 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
 
     outcomes = run(candidates, with_ceiling=True)
     best, _, _ = choose(outcomes)
-    if second_stage and server_axes():
+    if second_stage:
         outcomes += run(around(best.candidate), with_ceiling=False)
         best, _, _ = choose(outcomes)
-    if second_stage and order_runs:
         outcomes += run(around(best.candidate, ORDER_AXES), with_ceiling=False)
     best, gain, noise = choose(outcomes)
     return Advice(outcomes, next(o for o in outcomes if o.candidate.is_default), best, gain,

@@ -5,11 +5,10 @@ defaults, and the help text that names them.
 The grid: the prefix-hash unit (the plugin's 64 tokens or vLLM's page), a
 state ladder, the cold checkpoints and the states a release retains (each
 setting the shared-pool model runs); then, around the best of those, the
-admission gate, the floor states, priced eviction and the fallback rungs,
-where the planner runs them (`planner_runs`); last, on the best of all, the
-admission order. Each candidate's
-variables are parsed back through `config.load_settings` over the server's
-defaults, so what is printed is what a server would read.
+admission gate, the floor states, priced eviction and the fallback rungs;
+last, on the best of all, the admission order. Each candidate's variables
+are parsed back through `config.load_settings` over the server's defaults,
+so what is printed is what a server would read.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from ..config import (ENV_VARS, MAX_HASH_UNIT_TOKENS, SERVER_ADMISSION_GATE,
                       SERVER_COLD_FRACTIONS, SERVER_FLOOR_FRACTIONS, Settings, load_settings,
                       server_defaults)
 from ..core.priced_eviction import AUTO_PRICE_WEIGHT
-from .policies import build_policies
 
 # The hash unit the plugin picks where `--prefix-match-unit` is unset
 # (vllm/registration.py plugin_hash_unit: the largest unit up to 64 that
@@ -72,25 +70,6 @@ SERVER_AXES = (
 ORDER_AXES = (("order", "server", "admission_order", ("arrival", "hits-first")),)
 
 
-def planner_runs(section_field: tuple) -> bool:
-    """Whether the planner's `default` runs this server setting. The floors
-    and the gate are being added to it (issue 31), so this asks the code
-    rather than a list: floors where the shared-pool model acts on vLLM's
-    admission window (`open_step`), the gate and the admission order where
-    the policies carry them."""
-    import inspect
-
-    from ..core.shared_pool_manager import SharedPoolManager
-    name = section_field[1]
-    if name in ("eviction_price_weight", "fallback_fractions"):
-        return True          # the shared-pool model's page pool and placement run them
-    if name == "floor_fractions":
-        return hasattr(SharedPoolManager, "open_step")
-    if name in ("admission_gate", "admission_order"):
-        return name in inspect.signature(build_policies).parameters
-    return False
-
-
 GRID_HELP = (
     f"(1) hash unit {{{PLUGIN_HASH_UNIT} (the plugin's), the page (--prefix-match-unit PAGE)}} x "
     f"{env_var('placement', 'interval_tokens')} {{-1 (no ladder), {LADDER_TOKENS}}} x "
@@ -99,9 +78,8 @@ GRID_HELP = (
     f"(2) on the best of (1): {env_var('server', 'admission_gate')} {{auto, on, off}} x "
     f"{env_var('server', 'floor_fractions')} {{0.25,0.5, none}} x "
     f"{env_var('placement', 'eviction_price_weight')} {{auto, 0, {AUTO_PRICE_WEIGHT:g}}} x "
-    f"{env_var('placement', 'fallback_fractions')} {{0.5,0.85, none}}, "
-    "where the planner models "
-    "them (else left at default, and said so); (3) on the best of all: "
+    f"{env_var('placement', 'fallback_fractions')} {{0.5,0.85, none}}; "
+    "(3) on the best of all: "
     f"{env_var('server', 'admission_order')} {{arrival, hits-first}}. The first value of each "
     "is the default.")
 
@@ -158,13 +136,8 @@ def grid() -> list[Candidate]:
             for env in combinations(PLACEMENT_AXES)]
 
 
-def server_axes() -> tuple:
-    """The second stage's axes: those the planner runs."""
-    return tuple(ax for ax in SERVER_AXES if planner_runs((ax[1], ax[2])))
-
-
-def around(base: Candidate, axes: tuple = ()) -> list[Candidate]:
-    """`base` with each combination of `axes` (default: the second stage's,
-    the server axes the planner runs; `base` itself left out)."""
+def around(base: Candidate, axes: tuple = SERVER_AXES) -> list[Candidate]:
+    """`base` with each combination of `axes` (default: the second
+    stage's; `base` itself left out)."""
     return [Candidate(base.hash_unit, base.env + extra)
-            for extra in combinations(axes or server_axes())[1:]]
+            for extra in combinations(axes)[1:]]

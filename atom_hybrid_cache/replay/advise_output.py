@@ -10,10 +10,9 @@ import sys
 import time
 
 from ..config import ENV_VARS, server_defaults
-from ..core.pool_budget import MIN_SLOT_CHECKPOINTS
 from .advise import MIN_GAIN, Advice, Outcome, advise
 from .advise_grid import (ORDER_AXES, PAGE_UNIT, PLACEMENT_AXES, PLUGIN_HASH_UNIT, SERVER_AXES,
-                          Candidate, env_var, format_value, planner_runs)
+                          Candidate, env_var, format_value)
 
 # Hugging Face names of the geometry presets, for the printed serve line.
 SERVED_MODEL = {
@@ -86,22 +85,8 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
                          for f in fields)
     unswept = [(ax[1], ax[2]) for ax in SERVER_AXES + ORDER_AXES
                if env_var(ax[1], ax[2]) not in swept]
-    modelled = [f for f in unswept if planner_runs(f)]
-    missing = [f for f in unswept if not planner_runs(f)]
-    if modelled:
-        lines.append(f"not swept, run by the planner at default: {listed(modelled)}")
-    switched = {"admission_gate", "floor_fractions"} & {f[1] for f in missing}
-    where = ""
-    if "admission_gate" in switched:
-        where += "; the server gates at every pool size, so its figure may differ"
-    if "floor_fractions" in switched:
-        slot = a.pool_checkpoints // concurrency
-        where += (f"; the server holds floors where a request slot's share is at least "
-                  f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth (here {slot}), "
-                  + ("so its figure may differ" if slot >= MIN_SLOT_CHECKPOINTS
-                     else "and keeps them off here, as the planner does"))
-    if missing:
-        lines.append(f"not modelled, left at default: {listed(missing)}{where}")
+    if unswept:
+        lines.append(f"not swept, run by the planner at default: {listed(unswept)}")
     d = a.default
     if a.recommended is d:
         lines.append(f"recommended: the defaults (no candidate beats them by at least "
