@@ -144,7 +144,7 @@ class SharedPoolManager:
     def abandon(self, req) -> None:
         """A waiting request the replay gives up on: its floors go back."""
         if self.window is not None:
-            for _, pages in self.window.release_floors(req.request_id):
+            for _, pages in self.window.leave(req.request_id):
                 self.pool.free(pages)
 
     def lookup(self, req) -> tuple[int, list, Optional[list]]:

@@ -53,7 +53,7 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
         # floors held since the request entered the admission window go
         # back in its units (vllm/release.py); one in its own block table
         # only loses the floor's reference
-        for pos, pages in manager.window.release_floors(req.request_id):
+        for pos, pages in manager.window.leave(req.request_id):
             for g, p in enumerate(pages):
                 if p in taken:
                     pool.free([p])

@@ -99,9 +99,9 @@ class SharedPoolWindow:
         d = self._decision
         return d is not None and bool(d.pinned or d.held)
 
-    def release_floors(self, request_id) -> list:
-        """A request leaves for good (released, given up): its floors, to
-        free; hits first forgets it."""
+    def leave(self, request_id) -> list:
+        """A request leaves for good (released, given up): hits first
+        forgets it; the floors it held, to free."""
         self.forget_passed_over(request_id)
         return self.floors.release(request_id) if self.floors is not None else []
 
