@@ -9,7 +9,8 @@ import pytest
 
 from atom_hybrid_cache.cli import add_advise_arguments, main
 from atom_hybrid_cache.config import load_settings, server_defaults
-from atom_hybrid_cache.replay.advise import Outcome, advise, choose, split_halves
+from atom_hybrid_cache.replay.advise import (NativeOutcome, Outcome, advise, choose, native_wins,
+                                             split_halves)
 from atom_hybrid_cache.replay.advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, SERVER_AXES,
                                                   Candidate, combinations, env_var,
                                                   format_value, grid)
@@ -123,6 +124,12 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
     assert len(a.outcomes) == 16 + variants - 1 + 1
     assert a.outcomes[-1].candidate == Candidate(PLUGIN_HASH_UNIT, ((ORDER, "hits-first"),))
     assert not [line for line in text.splitlines() if line.startswith("not modelled")]
+    # vLLM without the plugin, beside the table: on its page and with
+    # `--prefix-match-unit 64`, both below the defaults
+    assert [(n.unit, round(n.full, 4)) for n in a.native] == [(448, 0.7477), (64, 0.7533)]
+    assert a.native_better is None
+    assert "the page (448 tokens, vLLM's default)  74.77%  0.9644    0.9577-0.9881  -0.0240" in text
+    assert "64 tokens (--prefix-match-unit 64)     75.33%  0.9716    0.9640-0.9986  -0.0184" in text
 
 
 def outcome(candidate, full, halves):
@@ -149,6 +156,38 @@ def test_a_gain_the_halves_disagree_on_is_noise():
     # a gain under MIN_GAIN (0.001) keeps the defaults
     best, _, _ = choose([outcome(d, 0.90, (0.9, 0.9)), outcome(ladder, 0.9005, (0.9005, 0.9005))])
     assert best.candidate == d
+
+
+def test_vllm_alone_is_recommended_only_where_it_beats_the_plugins_best_on_both_halves():
+    """The rule a candidate beats the defaults by, applied to vLLM without
+    the plugin against the recommendation: a workload the plugin serves
+    worse than vLLM alone is told to run vLLM alone."""
+    best = outcome(Candidate(PLUGIN_HASH_UNIT), 0.90, (0.90, 0.90))
+    page, unit64 = NativeOutcome(448, 0.89, (0.89, 0.89)), NativeOutcome(64, 0.92, (0.93, 0.91))
+    assert native_wins((page, unit64), best) is unit64
+    # ahead on the whole set, behind on a half: noise, the plugin stays
+    assert native_wins((page, NativeOutcome(64, 0.92, (0.95, 0.88))), best) is None
+    # under MIN_GAIN (0.001): the plugin stays
+    assert native_wins((NativeOutcome(64, 0.9005, (0.9005, 0.9005)),), best) is None
+    # a tie between vLLM's two goes to its default, the page
+    assert native_wins((NativeOutcome(448, 0.92, (0.92, 0.92)),
+                        NativeOutcome(64, 0.92, (0.92, 0.92))), best).unit == 448
+
+    a = advise(embedded_sample(), QWEN35, memory_gib=40, concurrency=4)
+    won = dataclasses.replace(a.native[1], full=0.79, halves=(0.80, 0.72))
+    a = dataclasses.replace(a, native=(a.native[0], won),
+                            native_better=native_wins((a.native[0], won), a.recommended))
+    lines = format_advice(a, model="qwen3.5-27b", memory_gib=40, concurrency=4).splitlines()
+    i = lines.index(next(x for x in lines if x.startswith("recommended:")))
+    assert lines[i:i + 5] == [
+        "recommended: vLLM's own prefix caching, without the plugin, hashing on 64 tokens "
+        "(--prefix-match-unit 64): it beats the plugin's best setting (defaults) by +0.0183 "
+        "of prompt tokens, on both halves",
+        "  expect 79.00% of prompt tokens, 1.0190 of the ceiling (band 1.0017-1.0253 over the halves)",
+        "  vllm serve Qwen/Qwen3.5-27B --enable-prefix-caching --prefix-match-unit 64",
+        "the plugin's best: 77.17% of prompt tokens, 0.9954 of the ceiling (band 0.9945-0.9986 "
+        "over the halves)",
+        "defaults: 77.17% of prompt tokens, 0.9954 of the ceiling (band 0.9945-0.9986 over the halves)"]
 
 
 def test_halves_split_traces_not_sub_agents():

@@ -18,7 +18,8 @@ def _run(tmp_path, *args):
 def test_embedded_sample_all_policies(tmp_path, capsys):
     res = _run(tmp_path)
     text = capsys.readouterr().out
-    for name in ("default", "kv-only-ceiling", "no-state-cache", "ladder-8192", "simple", "vllm-align"):
+    for name in ("default", "kv-only-ceiling", "no-state-cache", "ladder-8192", "simple", "vllm-align",
+                 "vllm-align-pmu"):
         assert name in res and name in text
         for key in ("policy", "hit_rate", "ceiling_hit_rate", "hit_over_ceiling",
                     "writes_per_resumed_hit", "prefill_tokens_computed"):
@@ -67,11 +68,15 @@ def test_embedded_sample_prints_the_plugins_default(tmp_path, capsys):
     vLLM's own caching (`vllm-align`: the same model as native vLLM, whose
     hashes are a page long; 409,920 with the older emulation); the
     separate-pools model stays below both."""
-    res = _run(tmp_path, "--policies", "default,separate-pools,vllm-align")
+    res = _run(tmp_path, "--policies", "default,separate-pools,vllm-align,vllm-align-pmu")
     prompt = res["default"]["prompt_tokens"]
     assert res["default"]["kv_blocks"] == res["vllm-align"]["kv_blocks"] == 2925
     assert round(res["default"]["hit_rate"] * prompt) == 412_928
     assert round(res["vllm-align"]["hit_rate"] * prompt) == 400_064
+    # vLLM with `--prefix-match-unit 64` (the plugin's unit on 448-token
+    # pages): a unit hash's prompt-end states, none of the plugin's others
+    assert res["vllm-align-pmu"]["extra"]["hash_unit"] == 64
+    assert round(res["vllm-align-pmu"]["hit_rate"] * prompt) == 403_072
     assert round(res["separate-pools"]["hit_rate"] * prompt) == 392_384
     assert res["default"]["hit_over_ceiling"] > res["vllm-align"]["hit_over_ceiling"]
 

@@ -7,12 +7,16 @@ planner's `default` policy (the plugin as it runs in vLLM:
 and on its two halves. A candidate is recommended only where it beats the
 plugin's defaults on the whole set by more than the gains on the halves
 stray from it (so it wins on both halves too); otherwise the defaults are.
+vLLM's own caching without the plugin (`vllm-align`, on its page and with
+`--prefix-match-unit` at the plugin's unit) runs beside them, and where it
+beats the recommendation by the same rule, vLLM alone is recommended.
 Server settings the planner does not run stay at their defaults, and the
 output (`advise_output.py`) says so.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -49,6 +53,19 @@ class Outcome:
 
 
 @dataclass
+class NativeOutcome:
+    """vLLM's own caching without the plugin (the planner's `vllm-align`),
+    hashing on `unit` tokens (`--prefix-match-unit`; the page is vLLM's
+    default): hit rates as `Outcome`'s."""
+
+    unit: int
+    full: float
+    halves: tuple
+
+    over = Outcome.over
+
+
+@dataclass
 class Advice:
     outcomes: list                     # Outcome per candidate, grid order
     default: Outcome
@@ -61,6 +78,10 @@ class Advice:
     ceilings: tuple                    # the ceiling's hit rate: whole set, halves
     conversations: tuple               # conversations: whole set, halves
     client: str = ""                   # the client clock (`ClientClock.describe`)
+    # vLLM without the plugin: on the page, and on the plugin's unit
+    native: tuple = ()
+    # the better of `native` where it beats `recommended` (`native_wins`)
+    native_better: Optional[NativeOutcome] = None
 
 
 def split_halves(conversations: list) -> tuple[list, list]:
@@ -100,6 +121,19 @@ def choose(outcomes: list) -> tuple[Outcome, float, float]:
             best, best_key = o, key
     gain, noise = paired_gain(best, default)
     return best, gain, noise
+
+
+def native_wins(native: Sequence[NativeOutcome], recommended: Outcome) -> Optional[NativeOutcome]:
+    """The better of vLLM's own runs where it beats the plugin's
+    recommendation by the rule a candidate beats the defaults by (at least
+    MIN_GAIN, more than the halves stray from it: it wins on both), else
+    None. A workload that the plugin serves worse than vLLM alone is told
+    so rather than given the plugin's least bad settings."""
+    if not native:
+        return None
+    best = max(native, key=lambda n: (round(n.full, 9), n.unit))
+    gain, noise = paired_gain(best, recommended)
+    return best if gain >= MIN_GAIN and gain > noise else None
 
 
 # --------------------------------------------------------------------------
@@ -160,6 +194,7 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     pool_tokens = (layout.num_pages - 1) * page
     checkpoint_tokens = layout.pages_per_state_slot * page
     units = {PLUGIN_HASH_UNIT: PLUGIN_HASH_UNIT, PAGE_UNIT: page}
+    native_units = sorted(set(units.values()), reverse=True)
     # the replay's client clock (`--time-scale`; 0: saturated)
     clock = ClientClock(time_scale=time_scale)
     _WORKLOADS.clear()
@@ -203,6 +238,11 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
         if with_ceiling:
             ceiling = spec("kv-only-ceiling", PLUGIN_HASH_UNIT, Candidate(PLUGIN_HASH_UNIT).settings())
             tasks += [((s, PLUGIN_HASH_UNIT), ceiling, ("ceiling", s)) for s in range(3)]
+            # vLLM without the plugin, on the page and on the plugin's unit
+            for unit in native_units:
+                native = spec("vllm-align", unit, Candidate(PLUGIN_HASH_UNIT).settings())
+                native = dataclasses.replace(native, hash_unit=unit)
+                tasks += [((s, unit), native, (("native", unit), s)) for s in range(3)]
         keys = [effective(c) for c in cands]
         for c, key in zip(cands, keys):
             if key in hits or key in seen:
@@ -224,6 +264,9 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
         best, _, _ = choose(outcomes)
         outcomes += run(around(best.candidate, ORDER_AXES), with_ceiling=False)
     best, gain, noise = choose(outcomes)
+    native = tuple(NativeOutcome(u, hits[("native", u)][0], tuple(hits[("native", u)][1:]))
+                   for u in native_units)
     return Advice(outcomes, next(o for o in outcomes if o.candidate.is_default), best, gain,
                   noise, page, layout.num_pages, pool_checkpoints(pool_tokens, checkpoint_tokens),
-                  tuple(hits["ceiling"]), tuple(len(x) for x in subsets), clock.describe())
+                  tuple(hits["ceiling"]), tuple(len(x) for x in subsets), clock.describe(),
+                  native, native_wins(native, best))

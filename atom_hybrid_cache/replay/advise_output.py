@@ -10,7 +10,7 @@ import sys
 import time
 
 from ..config import ENV_VARS, server_defaults
-from .advise import MIN_GAIN, Advice, Outcome, advise
+from .advise import MIN_GAIN, Advice, NativeOutcome, Outcome, advise
 from .advise_grid import (ORDER_AXES, PAGE_UNIT, PLACEMENT_AXES, PLUGIN_HASH_UNIT, SERVER_AXES,
                           Candidate, env_var, format_value)
 
@@ -28,6 +28,31 @@ def serve_line(candidate: Candidate, model: str, page_tokens: int) -> str:
     unit = f" --prefix-match-unit {page_tokens}" if candidate.hash_unit == PAGE_UNIT else ""
     return (f"VLLM_PLUGINS=atom_hybrid_cache {env + ' ' if env else ''}vllm serve "
             f"{SERVED_MODEL.get(model, model)} --enable-prefix-caching{unit}")
+
+
+def native_serve_line(native: NativeOutcome, model: str, page_tokens: int) -> str:
+    """The `vllm serve` command of vLLM's own caching, without the plugin."""
+    unit = f" --prefix-match-unit {native.unit}" if native.unit != page_tokens else ""
+    return f"vllm serve {SERVED_MODEL.get(model, model)} --enable-prefix-caching{unit}"
+
+
+def native_label(native: NativeOutcome, page_tokens: int) -> str:
+    return (f"the page ({page_tokens} tokens, vLLM's default)" if native.unit == page_tokens
+            else f"{native.unit} tokens (--prefix-match-unit {native.unit})")
+
+
+def native_rows(a: Advice) -> list[str]:
+    """vLLM's own caching beside the table: what the plugin is for."""
+    header = ["vLLM without the plugin, hashing on", "hit", "hit/ceil", "band (halves)",
+              "vs defaults"]
+    rows = []
+    for n in a.native:
+        ratio, band = n.over(a.ceilings)
+        rows.append([native_label(n, a.page_tokens), f"{n.full:.2%}", f"{ratio:.4f}",
+                     f"{band[0]:.4f}-{band[1]:.4f}", f"{n.full - a.default.full:+.4f}"])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+            for r in [header, *rows]]
 
 
 def describe(o: Outcome, ceilings: tuple) -> str:
@@ -87,7 +112,21 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
                if env_var(ax[1], ax[2]) not in swept]
     if unswept:
         lines.append(f"not swept, run by the planner at default: {listed(unswept)}")
+    if a.native:
+        lines += native_rows(a) + [""]
     d = a.default
+    if a.native_better is not None:
+        n = a.native_better
+        gain = n.full - a.recommended.full
+        lines.append(f"recommended: vLLM's own prefix caching, without the plugin, hashing on "
+                     f"{native_label(n, a.page_tokens)}: it beats the plugin's best setting "
+                     f"({a.recommended.candidate.label()}) by {gain:+.4f} of prompt tokens, "
+                     f"on both halves")
+        lines.append(f"  expect {describe(n, a.ceilings)}")
+        lines.append(f"  {native_serve_line(n, model, a.page_tokens)}")
+        lines.append(f"the plugin's best: {describe(a.recommended, a.ceilings)}")
+        lines.append(f"defaults: {describe(d, a.ceilings)}")
+        return "\n".join(lines)
     if a.recommended is d:
         lines.append(f"recommended: the defaults (no candidate beats them by at least "
                      f"{MIN_GAIN} and by more than its gains on the halves stray from it)")

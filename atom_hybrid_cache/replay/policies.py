@@ -30,7 +30,7 @@ from ..config import PlacementConfig
 from ..core.replay_pool_config import ReplayPoolConfig
 
 POLICY_NAMES = ("default", "separate-pools", "kv-only-ceiling", "no-state-cache", "ladder-8192",
-                "simple", "vllm-align")
+                "simple", "vllm-align", "vllm-align-pmu")
 @dataclass(frozen=True)
 class PolicySpec:
     name: str
@@ -46,8 +46,8 @@ class PolicySpec:
     admission_gate: str = "off"
     admission_order: str = "arrival"
     plugin: bool = True
-    # shared pool, the plugin: the tokens one prefix hash covers (0: the
-    # workload's block size)
+    # shared pool: the tokens one prefix hash covers (0: the plugin's, the
+    # workload's block size; vLLM's own, the page)
     hash_unit: int = 0
     # shared pool: a running request's scratch state pages a group under
     # speculative decoding with 1 + k states (k; 0 with ReplaySSM)
@@ -78,7 +78,8 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
     page_tokens_multiple=block_size); `server_placement`,
     `floor_fractions`, `admission_gate` and `admission_order`: the vLLM server's settings,
     which `default` runs (None: `base_placement`), hashing prefixes on
-    `plugin_hash_unit` tokens (0: `block_size`)."""
+    `plugin_hash_unit` tokens (0: `block_size`), as `vllm-align-pmu` does
+    (`vllm-align`: on the page)."""
 
     def shared_layout(name: str):
         if align_layout is None:
@@ -131,12 +132,15 @@ def build_policies(names: list[str], *, kv_bytes_per_token: int, state_slot_byte
                                 eviction="lru", cut_backoffs=(), fallback_fractions=(),
                                 insure_recompute_tokens=0)
             specs.append(PolicySpec(name, cfg(p, headroom_slots)))
-        elif name == "vllm-align":
+        elif name in ("vllm-align", "vllm-align-pmu"):
+            # vLLM's own align mode, hashing on its page, or with
+            # `--prefix-match-unit` at the plugin's unit
             lay = shared_layout(name)
             specs.append(PolicySpec(name, None, page_tokens=lay.block_size_tokens,
                                     num_pages=lay.num_pages,
                                     pages_per_state=lay.pages_per_state_slot,
                                     shared_pool=base_placement, plugin=False,
+                                    hash_unit=plugin_hash_unit if name == "vllm-align-pmu" else 0,
                                     speculative_state_pages=num_spec))
         else:
             raise ValueError(f"unknown policy {name!r}")

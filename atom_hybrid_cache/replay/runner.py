@@ -39,10 +39,11 @@ _WORKLOAD: Optional[Workload] = None  # shared with forked workers
 def run_spec(spec: PolicySpec, workload: Workload, progress=None) -> tuple[str, SimTotals, dict]:
     s = workload.settings
     if spec.shared_pool is not None:
-        # vLLM's own prefix hashes are one page long; the plugin's the
-        # spec's unit where it names one (`compare`), else the workload's
-        # (advise runs each candidate's on a workload of its own)
-        unit = (spec.hash_unit or s.block_size) if spec.plugin else spec.page_tokens
+        # vLLM's own prefix hashes are one page long unless the spec names
+        # a unit (`--prefix-match-unit`); the plugin's the spec's unit where
+        # it names one (`compare`), else the workload's (advise runs each
+        # candidate's on a workload of its own)
+        unit = spec.hash_unit or (s.block_size if spec.plugin else spec.page_tokens)
         s = dataclasses.replace(s, block_size=unit)
         shape = SharedPoolShape(num_pages=spec.num_pages, page_tokens=spec.page_tokens,
                                 hash_unit=s.block_size, pages_per_state=spec.pages_per_state,
