@@ -36,12 +36,11 @@ GIB = 1 << 30
 MIN_GAIN = 0.001
 
 
-@dataclass
-class Outcome:
-    """A candidate's hit rate (cached over prompt tokens) on the whole set
-    and on each half; the choice is made on these, which no ceiling scales."""
+class HitRates:
+    """A run's hit rate (cached over prompt tokens) on the whole set
+    (`full`) and on each half (`halves`); choices are made on these, which
+    no ceiling scales."""
 
-    candidate: Candidate
     full: float
     halves: tuple
 
@@ -53,16 +52,23 @@ class Outcome:
 
 
 @dataclass
-class NativeOutcome:
+class Outcome(HitRates):
+    """A candidate's hit rates."""
+
+    candidate: Candidate
+    full: float
+    halves: tuple
+
+
+@dataclass
+class NativeOutcome(HitRates):
     """vLLM's own caching without the plugin (the planner's `vllm-align`),
     hashing on `unit` tokens (`--prefix-match-unit`; the page is vLLM's
-    default): hit rates as `Outcome`'s."""
+    default)."""
 
     unit: int
     full: float
     halves: tuple
-
-    over = Outcome.over
 
 
 @dataclass

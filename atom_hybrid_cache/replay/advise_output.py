@@ -50,6 +50,11 @@ def native_rows(a: Advice) -> list[str]:
         ratio, band = n.over(a.ceilings)
         rows.append([native_label(n, a.page_tokens), f"{n.full:.2%}", f"{ratio:.4f}",
                      f"{band[0]:.4f}-{band[1]:.4f}", f"{n.full - a.default.full:+.4f}"])
+    return aligned(header, rows)
+
+
+def aligned(header: list, rows: list) -> list[str]:
+    """The lines of a table, each column as wide as its widest cell."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
             for r in [header, *rows]]
@@ -92,9 +97,7 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
         cells += [f"{o.full:.2%}", f"{ratio:.4f}", f"{band[0]:.4f}-{band[1]:.4f}",
                   ("(defaults)" if o.candidate.is_default else f"{gain:+.4f}") + mark]
         rows.append(cells)
-    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip())
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines += aligned(header, rows)
     lines.append("(* the default; hit: cached / prompt tokens of the whole set; hit/ceil: over "
                  "the ceiling; band: hit/ceil's min-max over the halves; vs defaults: hit)")
     if any(o.over(a.ceilings)[0] > 1 for o in a.outcomes):
@@ -117,24 +120,22 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
     d = a.default
     if a.native_better is not None:
         n = a.native_better
-        gain = n.full - a.recommended.full
-        lines.append(f"recommended: vLLM's own prefix caching, without the plugin, hashing on "
-                     f"{native_label(n, a.page_tokens)}: it beats the plugin's best setting "
-                     f"({a.recommended.candidate.label()}) by {gain:+.4f} of prompt tokens, "
-                     f"on both halves")
-        lines.append(f"  expect {describe(n, a.ceilings)}")
-        lines.append(f"  {native_serve_line(n, model, a.page_tokens)}")
-        lines.append(f"the plugin's best: {describe(a.recommended, a.ceilings)}")
-        lines.append(f"defaults: {describe(d, a.ceilings)}")
-        return "\n".join(lines)
-    if a.recommended is d:
-        lines.append(f"recommended: the defaults (no candidate beats them by at least "
-                     f"{MIN_GAIN} and by more than its gains on the halves stray from it)")
+        lines += [f"recommended: vLLM's own prefix caching, without the plugin, hashing on "
+                  f"{native_label(n, a.page_tokens)}: it beats the plugin's best setting "
+                  f"({a.recommended.candidate.label()}) by {n.full - a.recommended.full:+.4f} "
+                  f"of prompt tokens, on both halves",
+                  f"  expect {describe(n, a.ceilings)}",
+                  f"  {native_serve_line(n, model, a.page_tokens)}",
+                  f"the plugin's best: {describe(a.recommended, a.ceilings)}"]
     else:
-        lines.append(f"recommended: {a.recommended.candidate.label()}")
-        lines.append(f"  expect {describe(a.recommended, a.ceilings)}; {a.gain:+.4f} of "
-                     f"prompt tokens over the defaults (noise {a.noise:.4f})")
-    lines.append(f"  {serve_line(a.recommended.candidate, model, a.page_tokens)}")
+        if a.recommended is d:
+            lines.append(f"recommended: the defaults (no candidate beats them by at least "
+                         f"{MIN_GAIN} and by more than its gains on the halves stray from it)")
+        else:
+            lines.append(f"recommended: {a.recommended.candidate.label()}")
+            lines.append(f"  expect {describe(a.recommended, a.ceilings)}; {a.gain:+.4f} of "
+                         f"prompt tokens over the defaults (noise {a.noise:.4f})")
+        lines.append(f"  {serve_line(a.recommended.candidate, model, a.page_tokens)}")
     lines.append(f"defaults: {describe(d, a.ceilings)}")
     return "\n".join(lines)
 
