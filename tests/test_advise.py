@@ -188,6 +188,14 @@ def test_vllm_alone_is_recommended_only_where_it_beats_the_plugins_best_on_both_
         "the plugin's best: 77.17% of prompt tokens, 0.9954 of the ceiling (band 0.9945-0.9986 "
         "over the halves)",
         "defaults: 77.17% of prompt tokens, 0.9954 of the ceiling (band 0.9945-0.9986 over the halves)"]
+    # vLLM alone ahead of the defaults but not of the recommendation: said
+    ahead = dataclasses.replace(won, full=0.78)
+    a = dataclasses.replace(a, native=(a.native[0], ahead), recommended=outcome(
+        Candidate(PAGE_UNIT), 0.785, (0.79, 0.72)), native_better=None)
+    lines = format_advice(a, model="qwen3.5-27b", memory_gib=40, concurrency=4).splitlines()
+    assert lines[-1] == ("note: vLLM alone, hashing on 64 tokens (--prefix-match-unit 64), beats "
+                         "the plugin's defaults by +0.0083 of prompt tokens here; the recommendation beats it "
+                         "by +0.0050")
 
 
 def test_halves_split_traces_not_sub_agents():

@@ -137,6 +137,11 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
                          f"prompt tokens over the defaults (noise {a.noise:.4f})")
         lines.append(f"  {serve_line(a.recommended.candidate, model, a.page_tokens)}")
     lines.append(f"defaults: {describe(d, a.ceilings)}")
+    alone = max(a.native, key=lambda n: n.full, default=None)
+    if a.native_better is None and alone is not None and alone.full - d.full >= MIN_GAIN:
+        lines.append(f"note: vLLM alone, hashing on {native_label(alone, a.page_tokens)}, beats "
+                     f"the plugin's defaults by {alone.full - d.full:+.4f} of prompt tokens here; "
+                     f"the recommendation beats it by {a.recommended.full - alone.full:+.4f}")
     return "\n".join(lines)
 
 
