@@ -129,15 +129,21 @@ def choose(outcomes: list) -> tuple[Outcome, float, float]:
     return best, gain, noise
 
 
+def best_native(native: Sequence[NativeOutcome]) -> Optional[NativeOutcome]:
+    """The better of vLLM's own runs (a tie: the larger unit, its
+    default the page), None without any."""
+    return max(native, key=lambda n: (round(n.full, 9), n.unit), default=None)
+
+
 def native_wins(native: Sequence[NativeOutcome], recommended: Outcome) -> Optional[NativeOutcome]:
     """The better of vLLM's own runs where it beats the plugin's
     recommendation by the rule a candidate beats the defaults by (at least
     MIN_GAIN, more than the halves stray from it: it wins on both), else
     None. A workload that the plugin serves worse than vLLM alone is told
     so rather than given the plugin's least bad settings."""
-    if not native:
+    best = best_native(native)
+    if best is None:
         return None
-    best = max(native, key=lambda n: (round(n.full, 9), n.unit))
     gain, noise = paired_gain(best, recommended)
     return best if gain >= MIN_GAIN and gain > noise else None
 

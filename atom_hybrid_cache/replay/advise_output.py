@@ -10,7 +10,7 @@ import sys
 import time
 
 from ..config import ENV_VARS, server_defaults
-from .advise import MIN_GAIN, Advice, NativeOutcome, Outcome, advise
+from .advise import MIN_GAIN, Advice, NativeOutcome, Outcome, advise, best_native
 from .advise_grid import (ORDER_AXES, PAGE_UNIT, PLACEMENT_AXES, PLUGIN_HASH_UNIT, SERVER_AXES,
                           Candidate, env_var, format_value)
 
@@ -137,7 +137,7 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
                          f"prompt tokens over the defaults (noise {a.noise:.4f})")
         lines.append(f"  {serve_line(a.recommended.candidate, model, a.page_tokens)}")
     lines.append(f"defaults: {describe(d, a.ceilings)}")
-    alone = max(a.native, key=lambda n: n.full, default=None)
+    alone = best_native(a.native)
     if a.native_better is None and alone is not None and alone.full - d.full >= MIN_GAIN:
         lines.append(f"note: vLLM alone, hashing on {native_label(alone, a.page_tokens)}, beats "
                      f"the plugin's defaults by {alone.full - d.full:+.4f} of prompt tokens here; "
