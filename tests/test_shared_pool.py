@@ -10,6 +10,7 @@ from atom_hybrid_cache.core.manager import Request
 from atom_hybrid_cache.core.page_pool import PagePool
 from atom_hybrid_cache.core.shared_pool_manager import SharedPoolManager
 from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
+from same_step_driver import steps_until_admitted
 
 UNIT, PAGE = 4, 8
 # the planner places one state, at half the prompt (a span checkpoint), and
@@ -424,3 +425,17 @@ def test_hits_first_moves_the_resume_ahead_of_the_cold_prompt():
     _serve(mgr, _request("a", A))
     waiting = [c2 := _request("c", C40), _request("b", B)]
     assert mgr.open_step(waiting, []) == [] and waiting[0] is c2
+
+
+def test_a_hit_on_a_state_written_this_step_waits_for_the_next_step():
+    """vLLM's MambaManager does not admit a request whose hit state another
+    request still running wrote in the same step (`cached_blocks_this_step`:
+    the forward that writes it has not run), nor anything behind it, and a
+    request's prompt-end state counts as written again in the step of its
+    last prompt chunk (vLLM re-keys it there; checked against vLLM's
+    scheduler in tests/vllm/test_same_step_state_hit.py). A's chunks end
+    on its span state at 16 (step 0), its prompt end at 32 (step 1) and
+    its last token (step 2); B, A's prefix plus 8 tokens, waits three
+    steps and resumes at 32."""
+    mgr = _manager(40, max_num_seqs=2)
+    assert steps_until_admitted(mgr, _request("a", A), _request("b", B)) == (3, 32)

@@ -27,14 +27,15 @@ What the plugin does in vLLM, and this model with it:
   preempts where they do not fit: vLLM schedules a preempted request again
   as a resumed one, which the plugin's planner does not count as admitted;
 - vLLM's `remove_skipped_blocks`: a prefill's state two chunk ends back is
-  freed before the room for its next chunk is counted.
+  freed before the room for its next chunk is counted; its
+  `cached_blocks_this_step`: a hit on a state another running request
+  wrote this step, or re-keyed (its prompt end, in the step of its last
+  prompt chunk), waits for the next step, and all behind it.
 
-Left out (see BENCHMARKS.md, "The planner against vLLM's scheduler"):
-`cached_blocks_this_step`, the KV of draft tokens (a page at most a running
-request), more than one attention group.
+Left out (BENCHMARKS.md, "The planner against vLLM's scheduler"): the KV of
+draft tokens (a page at most a running request), more than one attention group.
 
-The interface is `manager.HybridCacheManager`'s, so `replay.simulator`
-drives either.
+The interface is `manager.HybridCacheManager`'s: `replay.simulator` drives either.
 """
 
 from __future__ import annotations
@@ -88,9 +89,9 @@ class SharedPoolManager:
         # states: written, read, evicted (a state is lost with any of its pages)
         self.writes = self.reads = self.evicted_states = self.dropped = 0
         self._live_states: set = set()   # first group's keys of the kept states
-        # the floors, hits first and the admission gate, where the plugin
-        # runs them (vllm/scheduler_setup.py: floors with the reuse-aware
-        # release)
+        self._step_states: dict = {}   # ... of those written this step -> writer
+        # the floors, hits first and the admission gate, where the plugin runs
+        # them (vllm/scheduler_setup.py: floors with the reuse-aware release)
         self.window: Optional[SharedPoolWindow] = None
         if plugin:
             floors = self.policy.floor_ledger_fractions
@@ -104,7 +105,6 @@ class SharedPoolManager:
                                                hits_first=hits_first)
             self.planner.gate_on = gate
 
-    # -- the pool's evictions ---------------------------------------
     def _on_evict(self, key: int) -> None:
         # counted on the first group's page: a state is lost with any page, once
         if key in self._live_states:
@@ -122,6 +122,7 @@ class SharedPoolManager:
         hits first (which reorders `waiting` in place, as the adapter
         reorders vLLM's queue) and the gate's pins; the waiting requests
         the gate holds out."""
+        self._step_states.clear()
         if self.plugin and self.policy.observe_in_flight(len(waiting) + len(running)):
             self.pool.set_price_weight(self._price_weight())
             if self.window is not None and self.window.floors is not None:
@@ -148,8 +149,7 @@ class SharedPoolManager:
                 self.pool.free(pages)
 
     def lookup(self, req) -> tuple[int, list, Optional[list]]:
-        """vLLM's prefix lookup of a waiting request: (hit tokens, the KV
-        pages under the hit, every state group's page at it)."""
+        """vLLM's lookup: (hit tokens, the KV pages under it, each group's state page)."""
         P = self.page
         hashes = req.block_hashes
         full, reach, partial_page = self.index.kv_prefix(hashes, req.num_tokens - 1)
@@ -172,6 +172,8 @@ class SharedPoolManager:
         limit = L - self.shape.successor_room
         full, reach, partial_page = self.index.kv_prefix(hashes, limit)
         hit, hit_state = self.index.state_hit(hashes, reach)
+        if hit and self._step_states.get(self.index.state_keys(hashes[hit // U - 1])[0]) in self._held:
+            return None     # vLLM's MambaManager: the step's forward has not written it yet
         src = (full + ([partial_page] if partial_page is not None else []))[:-(-hit // P)]
         mid_page = hit % P != 0
         junction = reach // P * P if reach > hit else 0
@@ -259,11 +261,10 @@ class SharedPoolManager:
 
     # -- prefill ---------------------------------------------------------
     def next_chunk(self, req, budget: int) -> int:
-        return self.shape.chunk(req.num_computed, req.prompt_len, budget,
-                           self._held[req.request_id].keep)
+        held = self._held[req.request_id]
+        return self.shape.chunk(req.num_computed, req.prompt_len, budget, held.keep)
 
-    # read by replay.simulator: prefill chunks after the first take their
-    # pages through `reserve_chunk`, and may preempt for them
+    # (replay.simulator: later chunks take pages by `reserve_chunk`, may preempt)
     allocates_by_chunk = True
 
     def reserve_chunk(self, req, n: int) -> bool:
@@ -333,6 +334,8 @@ class SharedPoolManager:
         for i in range(start // U, min(end // U, len(hashes))):
             learn(hashes[i])
         last = (req.prompt_len - self.shape.successor_room) // U * U
+        if end >= req.prompt_len and last >= U:    # vLLM re-keys the prompt-end state
+            self._step_states[self.index.state_keys(hashes[last // U - 1])[0]] = req.request_id
         if last % P and start <= last <= end:
             # vLLM's partial KV entry at the prompt's last hash-unit boundary
             # (a hit there indexes its copy-on-write page under it too)
@@ -350,6 +353,7 @@ class SharedPoolManager:
         for p, k in zip(pages, keys):
             pool.index_page(p, k)
         self._live_states.add(keys[0])
+        self._step_states[keys[0]] = req.request_id
         self.writes += 1
         self.stats.record_write(held.keep[end])
 
@@ -391,8 +395,6 @@ class SharedPoolManager:
     def preempt(self, req) -> None:
         self.finish(req)
         req.rewind_to_prompt(self.block_size)
-
-    # -- diagnostics -----------------------------------------------------
     def fates(self) -> dict:
         return dict(kept=self.writes, dropped=self.dropped, evicted=self.evicted_states,
                     orphaned=0, read=self.reads)
