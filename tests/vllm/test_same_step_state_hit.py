@@ -48,7 +48,10 @@ def _vllm_admission(policy: str, a_len: int) -> tuple[tuple[int, int], int, int,
         sched = SB.make_scheduler(built, sched_cls)
     finally:
         for k, v in saved.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     hash_fn = get_hash_fn_by_name(built.vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(built.hash_block_size, hash_fn)
