@@ -89,7 +89,7 @@ class SharedPoolManager:
         # states: written, read, evicted (a state is lost with any of its pages)
         self.writes = self.reads = self.evicted_states = self.dropped = 0
         self._live_states: set = set()   # first group's keys of the kept states
-        self._step_states: dict = {}   # ... of those written this step -> writer
+        self._step_states: dict = {}     # those written this step -> their writer
         # the floors, hits first and the admission gate, where the plugin runs
         # them (vllm/scheduler_setup.py: floors with the reuse-aware release)
         self.window: Optional[SharedPoolWindow] = None
@@ -137,9 +137,8 @@ class SharedPoolManager:
             self.window.close(scheduled_tokens)
 
     def step_gated(self) -> bool:
-        """Whether the gate pinned or held anything this step: an admission
-        that fails with nothing running then waits for the next step, which
-        runs ungated (a stalled gate), instead of being over the pool."""
+        """Whether the gate pinned or held anything this step: an admission that fails
+        with nothing running then waits for the next, ungated, not over the pool."""
         return self.window is not None and self.window.gated()
 
     def abandon(self, req) -> None:
@@ -395,6 +394,7 @@ class SharedPoolManager:
     def preempt(self, req) -> None:
         self.finish(req)
         req.rewind_to_prompt(self.block_size)
+
     def fates(self) -> dict:
         return dict(kept=self.writes, dropped=self.dropped, evicted=self.evicted_states,
                     orphaned=0, read=self.reads)
