@@ -460,6 +460,22 @@ def make_scheduler(built: Built, scheduler_cls=None):
                include_finished_set=False, log_stats=False)
 
 
+def make_policy_scheduler(built: Built, policy: Policy, scheduler_cls=None):
+    """`make_scheduler` with the policy's environment set while the
+    scheduler is built (the plugin reads its ATOM_* settings there), the
+    caller's put back after."""
+    saved = {k: os.environ.get(k) for k, _ in policy.env}
+    os.environ.update(dict(policy.env))
+    try:
+        return make_scheduler(built, scheduler_cls)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 # ---------------------------------------------------------------------------
 # Workload
 # ---------------------------------------------------------------------------
@@ -756,16 +772,7 @@ def serve_point(conversations: list, policy: Policy | str, *, concurrency: int, 
     res.num_blocks = built.kv_cache_config.num_blocks
     if log:
         log(f"[{policy.name} c{concurrency}/{memory_gib:g} GiB] {res.geometry}")
-    saved = {k: os.environ.get(k) for k, _ in policy.env}
-    os.environ.update(dict(policy.env))
-    try:
-        sched = make_scheduler(built, sched_cls)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    sched = make_policy_scheduler(built, policy, sched_cls)
     res.scheduler = type(sched).__name__
     # As vLLM's engine core does once the engine is built: the heap so far
     # (the pool's blocks, the model config) is static, so the collector's

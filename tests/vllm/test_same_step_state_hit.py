@@ -10,7 +10,6 @@ step B is admitted in and its hit agree."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
@@ -42,16 +41,7 @@ def _vllm_admission(policy: str, a_len: int) -> tuple[tuple[int, int], int, int,
                              max_num_seqs=None, max_model_len=32_768,
                              max_num_batched_tokens=SB.DEFAULT_MAX_BATCHED_TOKENS,
                              async_scheduling=False, mamba_spec_cls=spec_cls)
-    saved = {k: os.environ.get(k) for k, _ in pol.env}
-    os.environ.update(dict(pol.env))
-    try:
-        sched = SB.make_scheduler(built, sched_cls)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    sched = SB.make_policy_scheduler(built, pol, sched_cls)
     hash_fn = get_hash_fn_by_name(built.vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(built.hash_block_size, hash_fn)
