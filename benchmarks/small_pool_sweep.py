@@ -150,50 +150,32 @@ def at_pool_offsets(cell: dict, offsets) -> list[dict]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
+    """The grid's options (this sweep's, and the benchmarks that run its cells)."""
     ap.add_argument("--checkpoints", default=",".join(map(str, CHECKPOINTS)),
                     help="pool sizes, in checkpoints' worth")
     ap.add_argument("--pool-multiples", default=",".join(map(str, MULTIPLES)),
                     help="pool / largest live working set")
-    ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--traces-fitting", type=int, default=128000,
                     help="subsets are drawn from the traces whose prompts all fit this")
     ap.add_argument("--subsets", type=int, default=3)
     ap.add_argument("--subset-size", type=int, default=8, help="traces per subset")
     ap.add_argument("--max-requests", type=int, default=None,
                     help="requests per conversation (default: all)")
-    ap.add_argument("--planner", action="store_true",
-                    help="the replay planner's model of each policy (core/shared_pool_manager.py) "
-                         "instead of vLLM's scheduler: seconds, exact where the model is "
-                         "(BENCHMARKS.md, 'The planner against vLLM's scheduler')")
-    ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="vLLM's max_num_seqs (default: each cell's requests in flight; a "
-                         "server left at vLLM's default runs 128 to 1,024)")
     ap.add_argument("--pool-offsets", default="0",
                     help="each cell also at pool x (1 + offset), its workload unchanged: pool "
                          "sizes between the grid's, e.g. -0.03,-0.02,-0.01,0,0.01,0.02,0.03 "
                          "(BENCHMARKS.md, 'The knee')")
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--markdown", metavar="JSON", default=None,
-                    help="print an earlier run's --json as markdown tables, run nothing")
-    args = ap.parse_args(argv)
-    if args.markdown:
-        data = json.loads(Path(args.markdown).read_text())
-        print_markdown(data["cells"], data["args"]["policies"].split(","),
-                       len(data["subsets"]))
-        return 0
-    policies = args.policies.split(",")
-    for p in policies:
-        if p not in E.POLICIES and p != PAGED_BOUND:
-            ap.error(f"unknown policy {p!r}")
-    policies.sort(key=lambda p: p in E.PLUGIN_POLICIES)   # plugin runs last
+
+
+def grid_cells(args) -> tuple:
+    """(trace groups, their Shapes, the cells) for the grid options
+    (`add_grid_arguments`), each cell's workload scaled to its multiple."""
     checkpoints = [int(x) for x in args.checkpoints.split(",")]
     offsets = [float(x) for x in args.pool_offsets.split(",")]
     multiples = [float(x) for x in args.pool_multiples.split(",")]
     groups = subsets(args.traces_fitting, args.subsets, args.subset_size)
     shapes = [Shapes(g, args.max_requests) for g in groups]
-
     cells = []
     for s, sh in enumerate(shapes):
         for n in checkpoints:
@@ -210,6 +192,35 @@ def main(argv: list[str] | None = None) -> int:
                          in_flight=in_flight, pool_pages=pool, live_pages=w.working_set,
                          real_multiple=got, oracle=sum(w.oracle),
                          prompt_tokens=sum(map(len, w.sent)), cached={}), offsets)
+    return groups, shapes, cells
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_grid_arguments(ap)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--planner", action="store_true",
+                    help="the replay planner's model of each policy (core/shared_pool_manager.py) "
+                         "instead of vLLM's scheduler: seconds, exact where the model is "
+                         "(BENCHMARKS.md, 'The planner against vLLM's scheduler')")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="vLLM's max_num_seqs (default: each cell's requests in flight; a "
+                         "server left at vLLM's default runs 128 to 1,024)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--markdown", metavar="JSON", default=None,
+                    help="print an earlier run's --json as markdown tables, run nothing")
+    args = ap.parse_args(argv)
+    if args.markdown:
+        data = json.loads(Path(args.markdown).read_text())
+        print_markdown(data["cells"], data["args"]["policies"].split(","),
+                       len(data["subsets"]))
+        return 0
+    policies = args.policies.split(",")
+    for p in policies:
+        if p not in E.POLICIES and p != PAGED_BOUND:
+            ap.error(f"unknown policy {p!r}")
+    policies.sort(key=lambda p: p in E.PLUGIN_POLICIES)   # plugin runs last
+    groups, shapes, cells = grid_cells(args)
     t0 = time.monotonic()
     for policy in policies:
         for cell in cells:
@@ -250,9 +261,10 @@ PLANNER_POLICIES = {"native": (None, False, None), "native-pmu64": (64, False, N
                     "plugin-hits-first": (64, True, "hits-first")}
 
 
-def planner_cached(policy: str, convs, w, cell, max_num_seqs=None) -> int:
+def planner_cached(policy: str, convs, w, cell, max_num_seqs=None, manager_class=None) -> int:
     """The planner's cached tokens for `policy` in this cell (vLLM's
-    `max_num_seqs`: None, the cell's requests in flight)."""
+    `max_num_seqs`: None, the cell's requests in flight; `manager_class`: a
+    SharedPoolManager subclass to run instead, one that records)."""
     import planner_agreement as A
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
@@ -268,10 +280,10 @@ def planner_cached(policy: str, convs, w, cell, max_num_seqs=None) -> int:
                             pages_per_state=CHECKPOINT_PAGES,
                             max_num_seqs=max_num_seqs or cell["in_flight"],
                             step_tokens=A.STEP_TOKENS)
-    mgr = SharedPoolManager(shape, settings.placement,
-                            floor_fractions=settings.server.floor_fractions, plugin=plugin,
-                            admission_gate=settings.server.admission_gate,
-                            admission_order=order or settings.server.admission_order)
+    mgr = (manager_class or SharedPoolManager)(
+        shape, settings.placement, floor_fractions=settings.server.floor_fractions, plugin=plugin,
+        admission_gate=settings.server.admission_gate,
+        admission_order=order or settings.server.admission_order)
     conversations = [A._Conversation(c["id"], c["prompts"]) for c in convs]
     sim = SimSettings(concurrency=cell["in_flight"], prefill_chunk=A.STEP_TOKENS,
                       block_size=unit, max_model_len=1 << 40, lockstep=True, max_output=1)
