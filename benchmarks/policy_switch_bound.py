@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Sequence
 
@@ -46,12 +47,12 @@ MARGINS = (0, 1024, 8192)
 
 class FirstHitRecorder(SharedPoolManager):
     """The planner's manager, keeping each request's hit at its first
-    admission (the simulator counts that one: a preempted request's later
-    admissions are not new requests)."""
+    admission in `first_hits` (the simulator counts that one: a preempted
+    request's later admissions are not new requests)."""
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, first_hits: dict, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.first_hits: dict = {}
+        self.first_hits = first_hits
 
     def admit(self, req, budget=None):
         adm = super().admit(req, budget)
@@ -88,16 +89,10 @@ def cell_hits(cell, shapes, policies=POLICIES) -> dict:
     """policy -> {request: cached tokens at its first admission} in `cell`."""
     convs, w = shapes[cell["subset"]].workload(cell["tokens_per_id"], cell["in_flight"])
     out = {}
-    recorders = []
-
-    class Recorder(FirstHitRecorder):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            recorders.append(self)
-
     for policy in policies:
-        cell["cached"][policy] = S.planner_cached(policy, convs, w, cell, manager_class=Recorder)
-        out[policy] = recorders[-1].first_hits
+        out[policy] = {}
+        cell["cached"][policy] = S.planner_cached(
+            policy, convs, w, cell, manager_class=partial(FirstHitRecorder, out[policy]))
     return out
 
 

@@ -263,8 +263,9 @@ PLANNER_POLICIES = {"native": (None, False, None), "native-pmu64": (64, False, N
 
 def planner_cached(policy: str, convs, w, cell, max_num_seqs=None, manager_class=None) -> int:
     """The planner's cached tokens for `policy` in this cell (vLLM's
-    `max_num_seqs`: None, the cell's requests in flight; `manager_class`: a
-    SharedPoolManager subclass to run instead, one that records)."""
+    `max_num_seqs`: None, the cell's requests in flight; `manager_class`: what
+    makes the manager instead of SharedPoolManager, with its arguments, e.g.
+    one that records)."""
     import planner_agreement as A
     from atom_hybrid_cache.config import load_settings, server_defaults
     from atom_hybrid_cache.core.manager import Request
