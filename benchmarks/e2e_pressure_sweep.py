@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of TOKENS_PER_IDxIN_FLIGHT")
     ap.add_argument("--pool-multiples", default="0.83,1.25")
     ap.add_argument("--policies", default="native,attention-control,plugin,plugin-hits-first")
+    ap.add_argument("--trace-dir", type=Path, default=E.DEFAULT_TRACE_DIR,
+                    help="a folder of cc-traces *.json files (default: the shared traces)")
     ap.add_argument("--traces-fitting", type=int, default=64000,
                     help="the traces whose prompts are all shorter than this (the plan's 14)")
     ap.add_argument("--traces-above", type=int, default=0, metavar="TOKENS",
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     # vLLM loads plugins once per process: the plugin's runs come last
     policies.sort(key=lambda p: p in E.PLUGIN_POLICIES)
     multiples = [float(m) for m in args.pool_multiples.split(",")]
-    paths = [p for p in E.traces_fitting(args.traces_fitting)
+    paths = [p for p in E.traces_fitting(args.traces_fitting, args.trace_dir)
              if not args.traces_above or largest_prompt(p) >= args.traces_above]
     groups = [paths[g::args.groups] for g in range(args.groups)]
     block_size = E.GEOMETRIES[args.geometry]["block_size"]
@@ -128,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"elapsed: {time.monotonic() - t0:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"args": vars(args), "groups": [[p.stem for p in g] for g in groups], "rows": rows},
+            {"args": dict(vars(args), trace_dir=str(args.trace_dir)),
+             "groups": [[p.stem for p in g] for g in groups], "rows": rows},
             indent=1) + "\n")
     return 0
 

@@ -270,13 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="64x4", help="TOKENS_PER_IDxIN_FLIGHT")
     ap.add_argument("--pool-multiple", type=float, default=0.83)
     ap.add_argument("--geometry", choices=sorted(E.GEOMETRIES), default="default")
+    ap.add_argument("--trace-dir", type=Path, default=E.DEFAULT_TRACE_DIR,
+                    help="a folder of cc-traces *.json files (default: the shared traces)")
     ap.add_argument("--traces-fitting", type=int, default=64000)
     ap.add_argument("--top", type=int, default=10, help="requests to name")
     ap.add_argument("--rounds-back", type=int, default=5)
     ap.add_argument("--json", default=None, help="write every admission and eviction here")
     args = ap.parse_args(argv)
     tokens_per_id, _, in_flight = args.shape.partition("x")
-    convs = E.build_workload(E.traces_fitting(args.traces_fitting), 0, 256, None,
+    convs = E.build_workload(E.traces_fitting(args.traces_fitting, args.trace_dir), 0, 256, None,
                              int(tokens_per_id))
     block_size = E.GEOMETRIES[args.geometry]["block_size"]
     w = E.lockstep_workload(convs, int(in_flight), block_size)

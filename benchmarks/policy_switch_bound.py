@@ -135,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in rows[0]["switched"] if rows else ():
         print(summarize(rows, f"switch {name}", [r["switched"][name] for r in rows]))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "cells": rows}, indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(
+            {"args": dict(vars(args), trace_dir=str(args.trace_dir)), "cells": rows},
+            indent=1) + "\n")
     return 0
 
 

@@ -57,14 +57,15 @@ PAGED_BOUND = "paged-bound"
 CLOSE_ENOUGH = 1.06
 
 
-def subsets(traces_fitting: int, count: int, size: int) -> list[list[Path]]:
+def subsets(traces_fitting: int, count: int, size: int,
+            trace_dir: Path = E.DEFAULT_TRACE_DIR) -> list[list[Path]]:
     """`count` disjoint subsets of `size` traces each, every `count`-th
-    trace (in name order) of those whose prompts all fit `traces_fitting`
-    tokens: each subset mixes short and long traces alike."""
-    paths = E.traces_fitting(traces_fitting)
+    trace (in name order) of those in `trace_dir` whose prompts all fit
+    `traces_fitting` tokens: each subset mixes short and long traces alike."""
+    paths = E.traces_fitting(traces_fitting, trace_dir)
     groups = [paths[g::count][:size] for g in range(count)]
     if any(len(g) < size for g in groups):
-        raise SystemExit(f"only {len(paths)} traces fit {traces_fitting} tokens: "
+        raise SystemExit(f"only {len(paths)} traces in {trace_dir} fit {traces_fitting} tokens: "
                          f"not {count} subsets of {size}")
     return groups
 
@@ -156,6 +157,8 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
                     help="pool sizes, in checkpoints' worth")
     ap.add_argument("--pool-multiples", default=",".join(map(str, MULTIPLES)),
                     help="pool / largest live working set")
+    ap.add_argument("--trace-dir", type=Path, default=E.DEFAULT_TRACE_DIR,
+                    help="a folder of cc-traces *.json files (default: the shared traces)")
     ap.add_argument("--traces-fitting", type=int, default=128000,
                     help="subsets are drawn from the traces whose prompts all fit this")
     ap.add_argument("--subsets", type=int, default=3)
@@ -174,7 +177,7 @@ def grid_cells(args) -> tuple:
     checkpoints = [int(x) for x in args.checkpoints.split(",")]
     offsets = [float(x) for x in args.pool_offsets.split(",")]
     multiples = [float(x) for x in args.pool_multiples.split(",")]
-    groups = subsets(args.traces_fitting, args.subsets, args.subset_size)
+    groups = subsets(args.traces_fitting, args.subsets, args.subset_size, args.trace_dir)
     shapes = [Shapes(g, args.max_requests) for g in groups]
     cells = []
     for s, sh in enumerate(shapes):
@@ -246,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(cells, policies, len(groups))
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"args": vars(args),
+            {"args": dict(vars(args), trace_dir=str(args.trace_dir)),
              # the plugin's settings a run was given (`load_settings` reads them)
              "atom_env": {k: v for k, v in os.environ.items() if k.startswith("ATOM_")},
              "subsets": [[p.stem for p in g] for g in groups],

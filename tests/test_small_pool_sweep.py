@@ -37,3 +37,38 @@ def test_the_knee_a_pool_two_percent_over_the_grid_point(sweep, monkeypatch):
     assert got == {"native": 3_156_992, "native-pmu64": 3_166_208, "plugin": 3_152_704}
     monkeypatch.setenv("ATOM_STATE_CHECKPOINT_FLOOR", "")
     assert sweep.planner_cached("plugin", convs, w, cell) == 3_172_096
+
+
+def test_the_grid_runs_on_a_folder_of_the_users_traces(sweep, tmp_path, capsys):
+    """`--trace-dir`: the grid is drawn from the folder given (traces the
+    project has not seen, in the cc-traces format), and the JSON says which."""
+    import json
+    import shutil
+    shared = sweep.E.DEFAULT_TRACE_DIR
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    for name in ("trace_0288", "trace_0460", "trace_0504"):
+        shutil.copy(shared / f"{name}.json", traces / f"held_out_{name[-4:]}.json")
+    out = tmp_path / "grid.json"
+    assert sweep.main(["--trace-dir", str(traces), "--subsets", "3", "--subset-size", "1",
+                       "--checkpoints", "30", "--pool-multiples", "1.0", "--planner",
+                       "--policies", "native,plugin", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["args"]["trace_dir"] == str(traces)
+    assert data["subsets"] == [["held_out_0288"], ["held_out_0460"], ["held_out_0504"]]
+    assert [(c["tokens_per_id"], c["in_flight"], c["oracle"], c["cached"])
+            for c in data["cells"]] == CELLS_OF_THE_THREE
+    capsys.readouterr()
+    try:
+        sweep.subsets(128000, 4, 1, traces)
+    except SystemExit as e:
+        assert str(e) == f"only 3 traces in {traces} fit 128000 tokens: not 4 subsets of 1"
+    else:
+        raise AssertionError("four subsets of three traces")
+
+
+# (tokens per id, in flight, oracle, cached) of each one-trace subset at 30
+# checkpoints' worth, 1.0x
+CELLS_OF_THE_THREE = [(24, 4, 25_978, {"native": 25_728, "plugin": 25_856}),
+                      (40, 4, 91_732, {"native": 83_328, "plugin": 83_776}),
+                      (56, 4, 19_261, {"native": 9_728, "plugin": 9_728})]
