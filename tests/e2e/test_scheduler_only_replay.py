@@ -246,3 +246,24 @@ def test_the_gate_counts_speculative_scratch_states(pressure_bench, plugin_env, 
                                                "prompt_lookup_max": 4, "prompt_lookup_min": 2})
         got[multiple, k] = sum(run["cached"])
     assert got == SPECULATIVE
+
+
+# benchmarks/continuation_bound.py: four first prompts, then one of the
+# four conversations goes on (the first two continuations); vLLM's
+# scheduler gives the planner's rows (tests/test_continuation_bound.py):
+# the plugin keeps conversation 0's prompt end, which both natives lost,
+# and native-pmu64 keeps conversation 1's at its 64-token unit where the
+# plugin kept the page's state below it.
+CONTINUATIONS = {0: {"native": 384, "native-pmu64": 0, "plugin": 448},
+                 1: {"native": 512, "native-pmu64": 576, "plugin": 512}}
+
+
+def test_which_policy_serves_the_next_request_depends_on_the_request(plugin_env, vllm_cpu_env):
+    from benchmark_modules import load_benchmark
+    bound = load_benchmark("continuation_bound")
+    got = {j: {} for j in CONTINUATIONS}
+    for policy in bound.POLICIES:     # the plugin last: vLLM loads plugins once
+        for j in CONTINUATIONS:
+            convs = bound.first_turns_then(bound.LENS, j)
+            got[j][policy] = bound.scheduler_runner(policy, convs, bound.POOL_PAGES)
+    assert got == CONTINUATIONS
