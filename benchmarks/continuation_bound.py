@@ -105,9 +105,12 @@ def beaten_at(rows, policy: str) -> list[int]:
 def search(count: int, seed: int = 0, pools=(30, 40, 50, 60)) -> dict:
     """Random first turns (4 or 6 prompts of 3-12 pages and 65-127 tokens
     into the next page), each at every pool: in how many is each policy
-    beaten at some continuation, and in how many is every policy?"""
+    beaten at some continuation (by any other; each native by the other),
+    in how many is every policy, and which leads in sum?"""
     rng = random.Random(seed)
+    a, b = POLICIES[:2]     # the two natives against each other
     tally = dict(cases=0, every_policy_beaten=0, **{f"{p}_beaten": 0 for p in POLICIES},
+                 **{f"{a}_beaten_by_{b}": 0, f"{b}_beaten_by_{a}": 0},
                  **{f"{p}_best_in_sum": 0 for p in POLICIES})
     for _ in range(count):
         k = rng.choice((4, 6))
@@ -121,6 +124,8 @@ def search(count: int, seed: int = 0, pools=(30, 40, 50, 60)) -> dict:
             for p in beaten:
                 tally[f"{p}_beaten"] += 1
             tally["every_policy_beaten"] += len(beaten) == len(POLICIES)
+            tally[f"{a}_beaten_by_{b}"] += any(r[a] < r[b] for r in rows)
+            tally[f"{b}_beaten_by_{a}"] += any(r[b] < r[a] for r in rows)
             sums = {p: sum(r[p] for r in rows) for p in POLICIES}
             for p in POLICIES:
                 tally[f"{p}_best_in_sum"] += sums[p] == max(sums.values())

@@ -46,5 +46,6 @@ def test_random_first_turns_beat_every_policy_somewhere(bound):
     tally = bound.search(6, seed=0)
     assert tally == {"cases": 24, "every_policy_beaten": 12, "native_beaten": 24,
                      "native-pmu64_beaten": 15, "plugin_beaten": 13,
+                     "native_beaten_by_native-pmu64": 24, "native-pmu64_beaten_by_native": 13,
                      "native_best_in_sum": 8, "native-pmu64_best_in_sum": 10,
                      "plugin_best_in_sum": 14}
