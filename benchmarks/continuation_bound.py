@@ -29,8 +29,9 @@ workload.
     python benchmarks/continuation_bound.py --scheduler          # vLLM's real scheduler
     python benchmarks/continuation_bound.py --search 200         # random first turns
 
-The planner's model gives vLLM's figures to the token here
-(`tests/vllm/test_continuation_bound.py`).
+The planner's model gives vLLM's figures to the token here (the table;
+`tests/test_continuation_bound.py` pins the planner's, and
+`tests/e2e/test_scheduler_only_replay.py` vLLM's at two continuations).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import os
 import random
 import sys
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -54,10 +56,10 @@ POOL_PAGES = 40
 CONTINUATION_TOKENS = 200
 
 
-def first_turns_then(lens, j: int) -> list[dict]:
+def first_turns_then(lens, j: Optional[int]) -> list[dict]:
     """The conversations: one first prompt each (token ids no other prompt
-    has), and for conversation `j` a second turn that resends its first
-    prompt and continues it."""
+    has), and for conversation `j` (None: none) a second turn that resends
+    its first prompt and continues it."""
     convs = []
     for i, n in enumerate(lens):
         first = [(i + 1) * 1_000_000 + t for t in range(n)]
