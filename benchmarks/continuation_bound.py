@@ -50,7 +50,7 @@ import small_pool_sweep as S  # noqa: E402
 
 POLICIES = ("native", "native-pmu64", "plugin")
 # four first prompts (tokens) and a pool of 40 pages (13 checkpoints' worth)
-LENS = (454, 600, 752, 977)
+LENS = (1149, 730, 453, 1479)
 POOL_PAGES = 40
 # the second turn's new tokens
 CONTINUATION_TOKENS = 200

@@ -271,15 +271,19 @@ def test_the_insurance_goes_off_at_the_step_whose_requests_in_flight_leave_a_sma
     assert "cold checkpoints and floor states on up to 2 in flight (the floors' pool share " \
         "shrinking and a release's refreshed states spaced out under 48 checkpoints' worth " \
         "a request); from 3" in policy.describe_share()
-    # the fade of priced eviction is said whatever the line
+    # the fade of priced eviction is said whatever the line, and where the
+    # retained states run (two own states and one per retain fraction)
     assert policy.describe_share().endswith(
         "off; where ATOM_EVICTION_PRICE_WEIGHT is auto, eviction priced under 120 "
-        "checkpoints' worth a request, in full from 32 down")
+        "checkpoints' worth a request, in full from 32 down; a release's retained states "
+        "(one per retain fraction) where a share holds 6 checkpoints' worth")
     loose = CheckpointPolicy(PlacementConfig(), block_size=128,
                              share=SlotShare(64 * 384, 384, 1), floor_fractions=(0.25,))
     assert loose.describe_share().endswith(
         "cold checkpoints and floor states stay on; where ATOM_EVICTION_PRICE_WEIGHT is auto, "
-        "eviction priced under 120 checkpoints' worth a request, in full from 32 down")
+        "eviction priced under 120 checkpoints' worth a request, in full from 32 down; a "
+        "release's retained states (one per retain fraction) where a share holds 6 "
+        "checkpoints' worth")
     # two in flight leave 32 a request: the floors' pool share is gone
     # (pool_budget.floor_scale) before they go off at the third
     assert [policy.observe_in_flight(n) for n in (2, 1, 3, 5)] == [True, False, True, False]

@@ -37,8 +37,8 @@ FIFO = {"elided": {"native": 13_184, "plugin": 14_720, "plugin-ungated": 14_528,
         "scaled": {"native": 702_944, "plugin": 804_736},
         (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 242_816},
         (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 321_920}}
-PRICED = {"elided": {"native": 13_184, "plugin": 15_936, "plugin-ungated": 15_424,
-                     "plugin-hits-first": 17_344},
+PRICED = {"elided": {"native": 13_184, "plugin": 16_000, "plugin-ungated": 13_632,
+                     "plugin-hits-first": 17_664},
           "scaled": {"native": 702_944, "plugin": 813_888},
           (1, 30, 1.0): {"native-pmu64": 235_712, "plugin": 244_992},
           (2, 30, 0.83): {"native-pmu64": 142_080, "plugin": 355_840}}

@@ -62,3 +62,32 @@ def test_a_conversation_returning_to_an_older_context_finds_it(sweep, monkeypatc
     assert sweep.planner_cached("plugin", convs, w, cell) == 626880
     monkeypatch.setattr(CheckpointPolicy, "refresh_spacing_tokens", property(lambda self: 0))
     assert sweep.planner_cached("plugin", convs, w, cell) == 624960
+
+
+def test_retained_states_run_where_a_share_holds_them_beside_the_releases_own():
+    """A release keeps its own two states (the page boundary and the
+    prompt-end copy) and takes back one per retain fraction: where a
+    request slot's share holds fewer checkpoints' worth than that (six at
+    the four default fractions), none (`pool_budget.affords_retained`)."""
+    def fractions(slot_checkpoints, retain=(0.5, 0.75, 0.875, 0.94), checkpoint_kv_tokens=1000):
+        share = SlotShare(int(slot_checkpoints * 1000), checkpoint_kv_tokens, 1)
+        return CheckpointPolicy(PlacementConfig(retain_fractions=retain), block_size=64,
+                                share=share).retain_fractions
+    assert fractions(6) == (0.5, 0.75, 0.875, 0.94)
+    assert fractions(5.99) == ()
+    assert fractions(3) == () and fractions(3, retain=(0.5,)) == (0.5,)
+    assert fractions(2.9, retain=(0.5,)) == ()
+    assert fractions(1, checkpoint_kv_tokens=0) == (0.5, 0.75, 0.875, 0.94)
+
+
+def test_a_pool_of_15_checkpoints_worth_keeps_the_next_rounds_prefixes(sweep):
+    """The small-pool sweep's subset 2 at 15 checkpoints' worth, 0.83x (45
+    pages, 3 in flight: 5 checkpoints' worth a slot). The states the
+    releases took back at their retain fractions took the pages of the next
+    round's prefixes: 76,608 cached against native's 82,816 (5.5 points of
+    the oracle under it). Under the retained states' line, 82,240."""
+    convs, w, pool, in_flight = sweep.cell_workload(2, 15, 0.83)
+    cell = dict(pool_pages=pool, in_flight=in_flight)
+    assert (pool, in_flight, sum(w.oracle)) == (45, 3, 113_710)
+    assert sweep.planner_cached("native", convs, w, cell) == 82_816
+    assert sweep.planner_cached("plugin", convs, w, cell) == 82_240

@@ -18,8 +18,8 @@ from typing import Callable
 from ..config import PlacementConfig
 from .floor_ledger import FLOOR_MAX_POOL_SHARE
 from .placement import CheckpointTargets, plan_checkpoints, snap_interval
-from .pool_budget import (FLOOR_FADE_CHECKPOINTS, MIN_SLOT_CHECKPOINTS, floor_scale,
-                          pool_checkpoints)
+from .pool_budget import (FLOOR_FADE_CHECKPOINTS, MIN_SLOT_CHECKPOINTS, RELEASE_OWN_STATES,
+                          affords_retained, floor_scale, pool_checkpoints)
 from .priced_eviction import PRICE_FADE_END_CHECKPOINTS, resolved_weight
 from .slot_share import SlotShare
 
@@ -90,6 +90,17 @@ class CheckpointPolicy:
         return int(self.checkpoint_kv_tokens * (1.0 - self.floor_scale))
 
     @property
+    def retain_fractions(self) -> tuple:
+        """The fractions at which a release takes back older states of its
+        prefix (`eviction.refreshed_positions`): the configured ones where
+        a request slot's share holds them beside the release's own states
+        (`pool_budget.affords_retained`), none under that."""
+        fractions = self.placement.retain_fractions
+        if affords_retained(self.share.tokens, self.share.checkpoint_kv_tokens, len(fractions)):
+            return fractions
+        return ()
+
+    @property
     def floor_ledger_fractions(self) -> tuple:
         """The floor fractions a server keeps a ledger for: the configured
         ones where the release is reuse-aware and some number of requests in
@@ -144,6 +155,10 @@ class CheckpointPolicy:
         priced = (f"; where ATOM_EVICTION_PRICE_WEIGHT is auto, eviction priced under "
                   f"{PRICE_FADE_END_CHECKPOINTS} checkpoints' worth a request, in full from "
                   f"{MIN_SLOT_CHECKPOINTS} down")
+        retained = len(self.configured.retain_fractions)
+        if retained:
+            priced += (f"; a release's retained states (one per retain fraction) where a share "
+                       f"holds {RELEASE_OWN_STATES + retained} checkpoints' worth")
         if line == 1:
             return f"{head}: under {MIN_SLOT_CHECKPOINTS} checkpoints' worth at any number{priced}"
         if not line:

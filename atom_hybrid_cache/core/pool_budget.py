@@ -27,6 +27,17 @@ the switch left subset 7 at 200 checkpoints' worth, 1.0x (a share of 33),
 (+3.296 on the 84 published cells, +3.698 on the 160; no fade +3.296,
 +3.682) and keeps the replay's c8 / 30 GiB saturated point (45 a slot),
 where a fade over 32 lost 0.5 point.
+
+The retained states (a release takes back one state near each retain
+fraction of its prefix, `eviction.refreshed_positions`) are insurance too,
+and in the smallest pools the first to crowd out what they insure: a
+release keeps its own states (its prompt's page boundary and its
+prompt-end copy, RELEASE_OWN_STATES) and one per fraction, so they run
+where a slot's share holds that many checkpoints' worth (`affords_retained`:
+six at the default four fractions). Under it the retained states took the
+pages of the next round's prefixes: the small-pool sweep's pools of 15
+checkpoints' worth, 3 in flight, lost 5.5 points to native with them, 0.5
+without (BENCHMARKS.md, "Pools under the grid's").
 """
 
 from __future__ import annotations
@@ -37,6 +48,9 @@ MIN_SLOT_CHECKPOINTS = 32
 # checkpoints' worth a slot above that over which the floors' pool share
 # rises from none to all of it (`floor_scale`)
 FLOOR_FADE_CHECKPOINTS = 16
+# the states a release keeps of its own beside the retained ones: the
+# prompt's page-boundary state and its prompt-end copy
+RELEASE_OWN_STATES = 2
 
 
 def pool_checkpoints(pool_kv_tokens: int, checkpoint_kv_tokens: int) -> int:
@@ -69,3 +83,11 @@ def floor_scale(kv_share_tokens: int, checkpoint_kv_tokens: int) -> float:
     """How much of their pool share the floors may take, 0 to 1: none at the
     line, all of it FLOOR_FADE_CHECKPOINTS above (`past_line`)."""
     return past_line(kv_share_tokens, checkpoint_kv_tokens, FLOOR_FADE_CHECKPOINTS)
+
+
+def affords_retained(kv_share_tokens: int, checkpoint_kv_tokens: int, retained: int) -> bool:
+    """Whether a request slot's share (`kv_share_tokens` of KV) holds a
+    release's own states and `retained` more, a checkpoint of
+    `checkpoint_kv_tokens` each (always, where that cost is unknown)."""
+    return (not checkpoint_kv_tokens
+            or kv_share_tokens >= (RELEASE_OWN_STATES + retained) * checkpoint_kv_tokens)

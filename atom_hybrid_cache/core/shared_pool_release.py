@@ -48,7 +48,7 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
                    for g, p in enumerate(pages)]
         taken.update(pages)
     wanted = refreshed_positions(held.hit, req.num_computed,
-                                 manager.policy.placement.retain_fractions)
+                                 manager.policy.retain_fractions)
     if manager.window is not None:
         # floors held since the request entered the admission window go
         # back in its units (vllm/release.py); one in its own block table

@@ -177,7 +177,7 @@ def _refreshed_states(parts, request, held: set, kept: list) -> list[FreedState]
     hit = plan.hit if plan is not None else 0
     policy = parts.planner.policy
     wanted = refreshed_positions(hit, request.num_computed_tokens,
-                                 policy.placement.retain_fractions)
+                                 policy.retain_fractions)
     found = parts.states.highest_at_or_below(request.block_hashes, wanted)
     pool = parts.states.pool
     out = []

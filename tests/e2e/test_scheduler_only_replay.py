@@ -27,8 +27,8 @@ POOL_MULTIPLE = 0.83
 # FIFO order (=0), the figures of the model runs (see the module docstring):
 # ELIDED_FIFO. The server's admission gate (ATOM_ADMISSION_GATE=auto, on at
 # every pool size): plugin-ungated with it off.
-ELIDED_CACHED = {"native-pmu64": 13_760, "plugin": 15_936, "plugin-hits-first": 17_344,
-                 "plugin-ungated": 15_424}
+ELIDED_CACHED = {"native-pmu64": 13_760, "plugin": 16_000, "plugin-hits-first": 17_664,
+                 "plugin-ungated": 13_632}
 ELIDED_FIFO = {"native-pmu64": 13_760, "plugin": 14_720, "plugin-hits-first": 17_664,
                "plugin-ungated": 14_528}
 SCALED_CACHED = {"native": 702_944, "plugin": 816_288}
@@ -251,11 +251,11 @@ def test_the_gate_counts_speculative_scratch_states(pressure_bench, plugin_env, 
 # benchmarks/continuation_bound.py: four first prompts, then one of the
 # four conversations goes on (the first two continuations); vLLM's
 # scheduler gives the planner's rows (tests/test_continuation_bound.py):
-# the plugin keeps conversation 0's prompt end, which both natives lost,
-# and native-pmu64 keeps conversation 1's at its 64-token unit where the
-# plugin kept the page's state below it.
-CONTINUATIONS = {0: {"native": 384, "native-pmu64": 0, "plugin": 448},
-                 1: {"native": 512, "native-pmu64": 576, "plugin": 512}}
+# the plugin keeps conversation 0's prompt, which both natives lost, and
+# native keeps conversation 1's, which the other two spent on prompt-end
+# copies.
+CONTINUATIONS = {0: {"native": 0, "native-pmu64": 0, "plugin": 1_088},
+                 1: {"native": 640, "native-pmu64": 0, "plugin": 0}}
 
 
 def test_which_policy_serves_the_next_request_depends_on_the_request(plugin_env, vllm_cpu_env):
