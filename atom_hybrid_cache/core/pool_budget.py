@@ -37,7 +37,8 @@ where a slot's share holds that many checkpoints' worth (`affords_retained`:
 six at the default four fractions). Under it the retained states took the
 pages of the next round's prefixes: the small-pool sweep's pools of 15
 checkpoints' worth, 3 in flight, lost 5.5 points to native with them, 0.5
-without (BENCHMARKS.md, "Pools under the grid's").
+without (BENCHMARKS.md, "The retained states need six checkpoints' worth
+a slot").
 """
 
 from __future__ import annotations
