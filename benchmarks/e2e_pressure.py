@@ -332,6 +332,13 @@ def build_workload(trace_paths: list[Path], max_prompt: int, head: int = 256,
     return convs
 
 
+def add_trace_dir_argument(ap) -> None:
+    """`--trace-dir`: the folder of cc-traces files the benchmarks that take
+    traces read (this one's and the sweeps' built on it)."""
+    ap.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR,
+                    help="a folder of cc-traces *.json files (default: the shared traces)")
+
+
 def traces_fitting(limit: int, trace_dir: Path = DEFAULT_TRACE_DIR) -> list[Path]:
     """The trace files of `trace_dir` whose every prompt is shorter than
     `limit` tokens (at full length), in name order."""
@@ -898,7 +905,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", nargs="*", default=None,
                     help=f"trace files/folders/names (default: {' '.join(DEFAULT_TRACES)})")
-    ap.add_argument("--trace-dir", type=Path, default=DEFAULT_TRACE_DIR)
+    add_trace_dir_argument(ap)
     ap.add_argument("--traces-fitting", type=int, default=None, metavar="TOKENS",
                     help="every trace of --trace-dir whose prompts are all shorter than this "
                          "(at full length), instead of --traces")

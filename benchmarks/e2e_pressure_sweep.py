@@ -65,8 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma list of TOKENS_PER_IDxIN_FLIGHT")
     ap.add_argument("--pool-multiples", default="0.83,1.25")
     ap.add_argument("--policies", default="native,attention-control,plugin,plugin-hits-first")
-    ap.add_argument("--trace-dir", type=Path, default=E.DEFAULT_TRACE_DIR,
-                    help="a folder of cc-traces *.json files (default: the shared traces)")
+    E.add_trace_dir_argument(ap)
     ap.add_argument("--traces-fitting", type=int, default=64000,
                     help="the traces whose prompts are all shorter than this (the plan's 14)")
     ap.add_argument("--traces-above", type=int, default=0, metavar="TOKENS",

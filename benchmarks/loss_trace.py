@@ -270,8 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shape", default="64x4", help="TOKENS_PER_IDxIN_FLIGHT")
     ap.add_argument("--pool-multiple", type=float, default=0.83)
     ap.add_argument("--geometry", choices=sorted(E.GEOMETRIES), default="default")
-    ap.add_argument("--trace-dir", type=Path, default=E.DEFAULT_TRACE_DIR,
-                    help="a folder of cc-traces *.json files (default: the shared traces)")
+    E.add_trace_dir_argument(ap)
     ap.add_argument("--traces-fitting", type=int, default=64000)
     ap.add_argument("--top", type=int, default=10, help="requests to name")
     ap.add_argument("--rounds-back", type=int, default=5)

@@ -111,7 +111,7 @@ def checkpoints_worth(pages: int, block: int) -> int:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--traces", nargs="*", default=None)
-    ap.add_argument("--trace-dir", type=Path, default=E.DEFAULT_TRACE_DIR)
+    E.add_trace_dir_argument(ap)
     ap.add_argument("--traces-fitting", type=int, default=None, metavar="TOKENS")
     ap.add_argument("--tokens-per-id", type=int, default=None)
     ap.add_argument("--max-prompt", type=int, default=2000)

@@ -157,8 +157,7 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
                     help="pool sizes, in checkpoints' worth")
     ap.add_argument("--pool-multiples", default=",".join(map(str, MULTIPLES)),
                     help="pool / largest live working set")
-    ap.add_argument("--trace-dir", type=Path, default=E.DEFAULT_TRACE_DIR,
-                    help="a folder of cc-traces *.json files (default: the shared traces)")
+    E.add_trace_dir_argument(ap)
     ap.add_argument("--traces-fitting", type=int, default=128000,
                     help="subsets are drawn from the traces whose prompts all fit this")
     ap.add_argument("--subsets", type=int, default=3)

@@ -152,24 +152,25 @@ class CheckpointPolicy:
         line, top = self.share.line(), self.share.max_num_seqs
         head = ("a request slot's share of the KV pool is the pool over the most requests in "
                 f"flight at once (at most max_num_seqs={top})")
-        priced = (f"; where ATOM_EVICTION_PRICE_WEIGHT is auto, eviction priced under "
+        # what follows a slot's share besides the cold checkpoints and floors
+        also = (f"; where ATOM_EVICTION_PRICE_WEIGHT is auto, eviction priced under "
                   f"{PRICE_FADE_END_CHECKPOINTS} checkpoints' worth a request, in full from "
                   f"{MIN_SLOT_CHECKPOINTS} down")
         retained = len(self.configured.retain_fractions)
         if retained:
-            priced += (f"; a release's retained states (one per retain fraction) where a share "
+            also += (f"; a release's retained states (one per retain fraction) where a share "
                        f"holds {RELEASE_OWN_STATES + retained} checkpoints' worth")
         if line == 1:
-            return f"{head}: under {MIN_SLOT_CHECKPOINTS} checkpoints' worth at any number{priced}"
+            return f"{head}: under {MIN_SLOT_CHECKPOINTS} checkpoints' worth at any number{also}"
         if not line:
             return (f"{head}: at least {MIN_SLOT_CHECKPOINTS} checkpoints' worth up to "
-                    f"{top}, cold checkpoints and floor states stay on{priced}")
+                    f"{top}, cold checkpoints and floor states stay on{also}")
         return (f"{head}: cold checkpoints and floor states on up to {line - 1} in flight "
                 f"(the floors' pool share shrinking and a release's refreshed states "
                 f"spaced out under "
                 f"{MIN_SLOT_CHECKPOINTS + FLOOR_FADE_CHECKPOINTS} checkpoints' worth a "
                 f"request); from {line} (a share under "
-                f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth) off{priced}")
+                f"{MIN_SLOT_CHECKPOINTS} checkpoints' worth) off{also}")
 
     @property
     def eviction_price_weight(self) -> float:
