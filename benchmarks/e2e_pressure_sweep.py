@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=1,
                     help="split the selected traces into this many workloads (every Nth "
                          "trace in name order), each run on its own")
+    ap.add_argument("--max-prompt", type=int, default=0,
+                    help="e2e_pressure's ELIDE rule (0: none): each conversation's first "
+                         "prompt elided to a quarter of this, the conversation ended at "
+                         "its first prompt longer than this")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="drive the engines' schedulers without the model (same cached counts, "
                          "about a second per run; see e2e_pressure.replay_scheduler_only)")
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         for g, group in enumerate(groups):
             shape = f"{tokens_per_id}x{in_flight}" + (f"/g{g}" if args.groups > 1 else "")
             shapes.append(shape)
-            convs = E.build_workload(group, 0, 256, None, tokens_per_id)
+            convs = E.build_workload(group, args.max_prompt, 256, None, tokens_per_id)
             w = E.lockstep_workload(convs, in_flight, block_size)
             oracle = sum(w.oracle)
             budgets = {m: E.budget_blocks(m, w.working_set, w.single_request)

@@ -267,3 +267,33 @@ def test_which_policy_serves_the_next_request_depends_on_the_request(plugin_env,
             convs = bound.first_turns_then(bound.LENS, j)
             got[j][policy] = bound.scheduler_runner(policy, convs, bound.POOL_PAGES)
     assert got == CONTINUATIONS
+
+
+# e2e_pressure_sweep.py --max-prompt 2000 on the bench's four traces at
+# 0.83x: {row: (pool pages, cached tokens, oracle)}; the paged bound is the
+# attention-only ceiling of the same pages.
+SWEEP_ELIDED = {"paged bound": (63, 18_816, 20_099), "native-pmu64": (63, 16_640, 20_099),
+                "plugin": (63, 18_688, 20_099)}
+
+
+def test_the_pressure_sweep_elides_as_the_bench_does(pressure_bench, plugin_env, vllm_cpu_env,
+                                                     tmp_path):
+    """e2e_pressure_sweep.py --max-prompt: the bench's elided workload (its
+    four traces, prompts capped at 2,000 tokens) as one group, full length
+    (64 tokens an id); the sweep takes the traces in name order, so the
+    rounds differ from the bench's order and so do the counts."""
+    import json
+    import shutil
+
+    from benchmark_modules import load_benchmark
+    sweep = load_benchmark("e2e_pressure_sweep")
+    for path in pressure_bench.resolve_trace_paths(None):
+        shutil.copy(path, tmp_path / path.name)
+    out = tmp_path / "sweep.json"
+    assert sweep.main(["--trace-dir", str(tmp_path), "--traces-fitting", str(10 ** 9),
+                       "--shapes", "64x4", "--max-prompt", "2000", "--pool-multiples", "0.83",
+                       "--policies", "native-pmu64,plugin", "--scheduler-only",
+                       "--geometry", "default", "--json", str(out)]) == 0
+    rows = {r["policy"]: (r["num_blocks"], r["cached_tokens"], r["oracle_tokens"])
+            for r in json.loads(out.read_text())["rows"]}
+    assert rows == SWEEP_ELIDED
