@@ -23,11 +23,16 @@ run) against 868 s with the model on a faster machine.
 ``--scheduler-only --geometry default --shapes 64x4`` is the plan's
 workload at full length (64 tokens per trace id), which only the
 scheduler-only replay makes affordable here.
+
+``--max-prompt CAP[,CAP...]`` runs each shape under ``e2e_pressure.py``'s
+ELIDE rule at each cap as well (conversations cut where a prompt passes
+it, as a server's context length cuts them), labelled ``/capN``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -75,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=1,
                     help="split the selected traces into this many workloads (every Nth "
                          "trace in name order), each run on its own")
-    ap.add_argument("--max-prompt", type=int, default=0,
-                    help="e2e_pressure's ELIDE rule (0: none): each conversation's first "
-                         "prompt elided to a quarter of this, the conversation ended at "
-                         "its first prompt longer than this")
+    ap.add_argument("--max-prompt", default="0",
+                    help="comma list of caps, each shape run at each: e2e_pressure's ELIDE "
+                         "rule (0: none), each conversation's first prompt elided to a "
+                         "quarter of the cap, the conversation ended at its first prompt "
+                         "longer than it")
     ap.add_argument("--scheduler-only", action="store_true",
                     help="drive the engines' schedulers without the model (same cached counts, "
                          "about a second per run; see e2e_pressure.replay_scheduler_only)")
@@ -97,32 +103,34 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t0 = time.monotonic()
     shapes = []
-    for tokens_per_id, in_flight in parse_shapes(args.shapes):
-        for g, group in enumerate(groups):
-            shape = f"{tokens_per_id}x{in_flight}" + (f"/g{g}" if args.groups > 1 else "")
-            shapes.append(shape)
-            convs = E.build_workload(group, args.max_prompt, 256, None, tokens_per_id)
-            w = E.lockstep_workload(convs, in_flight, block_size)
-            oracle = sum(w.oracle)
-            budgets = {m: E.budget_blocks(m, w.working_set, w.single_request)
-                       for m in multiples}
+    caps = [int(c) for c in args.max_prompt.split(",")]
+    for (tokens_per_id, in_flight), cap, (g, group) in itertools.product(
+            parse_shapes(args.shapes), caps, enumerate(groups)):
+        shape = (f"{tokens_per_id}x{in_flight}" + (f"/cap{cap}" if cap else "")
+                 + (f"/g{g}" if args.groups > 1 else ""))
+        shapes.append(shape)
+        convs = E.build_workload(group, cap, 256, None, tokens_per_id)
+        w = E.lockstep_workload(convs, in_flight, block_size)
+        oracle = sum(w.oracle)
+        budgets = {m: E.budget_blocks(m, w.working_set, w.single_request)
+                   for m in multiples}
 
-            def record(m, policy, cached):
-                rows.append({"shape": shape, "multiple": m, "policy": policy,
-                             "num_blocks": budgets[m], "cached_tokens": cached,
-                             "oracle_tokens": oracle, "ratio": round(cached / oracle, 4)})
-                print(f"{shape} {m:>5} {policy:<20} blocks {budgets[m]:>5} "
-                      f"cached {cached:>9,} / {oracle:,} = {cached / oracle:.4f}", flush=True)
+        def record(m, policy, cached):
+            rows.append({"shape": shape, "multiple": m, "policy": policy,
+                         "num_blocks": budgets[m], "cached_tokens": cached,
+                         "oracle_tokens": oracle, "ratio": round(cached / oracle, 4)})
+            print(f"{shape} {m:>5} {policy:<20} blocks {budgets[m]:>5} "
+                  f"cached {cached:>9,} / {oracle:,} = {cached / oracle:.4f}", flush=True)
 
+        for m in multiples:
+            record(m, BOUND, E.paged_reuse_bound(w.sent, w.oracle,
+                                                 [len(r) for r in w.rounds], block_size,
+                                                 budgets[m] - 1))   # -1: the null block
+        for policy in policies:
             for m in multiples:
-                record(m, BOUND, E.paged_reuse_bound(w.sent, w.oracle,
-                                                     [len(r) for r in w.rounds], block_size,
-                                                     budgets[m] - 1))   # -1: the null block
-            for policy in policies:
-                for m in multiples:
-                    run = E.run_policy(policy, convs, w.rounds, budgets[m], w.max_model_len,
-                                       args.geometry, scheduler_only=args.scheduler_only)
-                    record(m, policy, sum(run["cached"]))
+                run = E.run_policy(policy, convs, w.rounds, budgets[m], w.max_model_len,
+                                   args.geometry, scheduler_only=args.scheduler_only)
+                record(m, policy, sum(run["cached"]))
     print(f"\n{'multiple':>8} {'policy':<20} " + " ".join(f"{s:>7}" for s in shapes) + "    mean")
     for m in multiples:
         for policy in [BOUND] + policies:
