@@ -18,6 +18,9 @@ the engine does, moves these totals.
 
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 
 POOL_MULTIPLE = 0.83
@@ -282,9 +285,6 @@ def test_the_pressure_sweep_elides_as_the_bench_does(pressure_bench, plugin_env,
     four traces, prompts capped at 2,000 tokens) as one group, full length
     (64 tokens an id); the sweep takes the traces in name order, so the
     rounds differ from the bench's order and so do the counts."""
-    import json
-    import shutil
-
     from benchmark_modules import load_benchmark
     sweep = load_benchmark("e2e_pressure_sweep")
     for path in pressure_bench.resolve_trace_paths(None):
