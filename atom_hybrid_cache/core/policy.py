@@ -154,12 +154,12 @@ class CheckpointPolicy:
                 f"flight at once (at most max_num_seqs={top})")
         # what follows a slot's share besides the cold checkpoints and floors
         also = (f"; where ATOM_EVICTION_PRICE_WEIGHT is auto, eviction priced under "
-                  f"{PRICE_FADE_END_CHECKPOINTS} checkpoints' worth a request, in full from "
-                  f"{MIN_SLOT_CHECKPOINTS} down")
+                f"{PRICE_FADE_END_CHECKPOINTS} checkpoints' worth a request, in full from "
+                f"{MIN_SLOT_CHECKPOINTS} down")
         retained = len(self.configured.retain_fractions)
         if retained:
             also += (f"; a release's retained states (one per retain fraction) where a share "
-                       f"holds {RELEASE_OWN_STATES + retained} checkpoints' worth")
+                     f"holds {RELEASE_OWN_STATES + retained} checkpoints' worth")
         if line == 1:
             return f"{head}: under {MIN_SLOT_CHECKPOINTS} checkpoints' worth at any number{also}"
         if not line:
