@@ -482,20 +482,20 @@ def make_policy_scheduler(built: Built, policy: Policy, scheduler_cls=None):
 
 
 def load_conversations(traces, max_traces: Optional[int] = None) -> list:
-    """Conversations of the cc traces (files or folders), the first
-    ``max_traces`` trace files in name order."""
+    """Conversations of the traces (cc-traces JSON or Mooncake JSONL, files
+    or folders), the first ``max_traces`` trace files in name order."""
     from atom_hybrid_cache.replay.traces import load_traces
     paths: list[Path] = []
     for t in ([traces] if isinstance(traces, (str, os.PathLike)) else traces):
         p = Path(t)
         if p.is_dir():
-            paths.extend(sorted(q for q in p.iterdir() if q.suffix == ".json"))
+            paths.extend(sorted(q for q in p.iterdir() if q.suffix in (".json", ".jsonl")))
         else:
             paths.append(p)
     if max_traces is not None:
         paths = paths[:max_traces]
     if not paths:
-        raise ValueError(f"no cc-traces *.json files in {traces}")
+        raise ValueError(f"no trace files (*.json, *.jsonl) in {traces}")
     return load_traces([str(p) for p in paths])
 
 
@@ -1090,7 +1090,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", nargs="+", default=[str(DEFAULT_TRACES)],
-                    help="cc-traces files or folders (default: %(default)s)")
+                    help="cc-traces JSON or Mooncake JSONL files or folders (default: %(default)s)")
     ap.add_argument("--points", type=parse_points, default=parse_points("c8:80,c4:40"),
                     help="concurrency:GiB points, e.g. c8:80,c4:40 (default)")
     ap.add_argument("--policies", type=parse_policies,

@@ -264,15 +264,37 @@ def test_the_state_walk_over_kept_positions_is_the_range_walk():
         assert set(asked) <= set(kept) and len(asked) <= asked_by_ranges, case
 
 
-def test_a_release_teaches_the_oracle_its_computed_hashes_above_its_hit():
+def test_the_oracle_learns_a_prefill_chunk_once_its_step_is_scheduled():
+    p = planner()
+    hashes = [f"h{i}" for i in range(12)]
+    p.finished("first", hashes[:2], [])                 # computed h0, h1
+    p.plan("r", 640, hashes, hit=128, kv_reach=128)     # resumed at 2 units of 64
+    p.chunk_scheduled(hashes, 2, 6)                     # a chunk over units 2..5
+    # a request planned in the same step does not see the chunk (vLLM
+    # plans the step's requests before any of them is counted computed)
+    assert p.plan("s", 640, hashes, hit=0, kv_reach=0).reusable == 128
+    p.step_scheduled()
+    assert p.oracle.seen == {"h0", "h1", "h2", "h3", "h4", "h5"}
+    assert p.plan("s", 640, hashes, hit=0, kv_reach=0).reusable == 384
+    # the rest of the prompt, then 2 units of output, learned at the release
+    p.chunk_scheduled(hashes, 6, 10)
+    p.step_scheduled()
+    p.finished("r", hashes, [], 12)
+    assert p.oracle.seen == set(hashes)
+    # without a plan, from the start; without a count, the whole list
+    p.finished("t", ["a0", "a1", "a2"], [], 2)
+    p.finished("u", ["b0"], [])
+    assert p.oracle.seen == set(hashes) | {"a0", "a1", "b0"}
+
+
+def test_a_chunk_resumed_on_loaded_pages_teaches_their_hashes_too():
+    # "r" resumed at 4 units on pages the oracle never saw computed (a KV
+    # connector's load): it learns from the highest hash it knows (h1) up,
+    # so every hash it keeps has its parent, and its reach stays a prefix
     p = planner()
     hashes = [f"h{i}" for i in range(10)]
-    p.plan("r", 640, hashes, hit=128, kv_reach=128)     # resumed at 2 units of 64
-    # 6 of its 10 units computed: the oracle learns units 2..5, not those
-    # below the hit (the request that computed them taught them) nor past 6
-    p.finished("r", hashes, [], 6)
-    assert p.oracle.seen == {"h2", "h3", "h4", "h5"}
-    # without a plan, from the start; without a count, the whole list
-    p.finished("s", ["a0", "a1", "a2"], [], 2)
-    p.finished("t", ["b0"], [])
-    assert p.oracle.seen == {"h2", "h3", "h4", "h5", "a0", "a1", "b0"}
+    p.finished("first", hashes[:2], [])
+    p.chunk_scheduled(hashes, 4, 6)
+    p.step_scheduled()
+    assert p.oracle.reach(hashes, 10) == 6
+    assert p.oracle.seen == {"h0", "h1", "h2", "h3", "h4", "h5"}

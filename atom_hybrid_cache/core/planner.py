@@ -112,6 +112,7 @@ class CheckpointPlanner:
         # more lines for the stats report (a store connector's)
         self.extra_lines: list = []
         self.oracle = PrefixOracle(SEEN_HASH_LIMIT)
+        self._step_chunks: list = []    # (hashes, start, stop) scheduled this step
         self.kv_cuts = KVCutRate()
 
     # -- admission -----------------------------------------------------
@@ -187,6 +188,20 @@ class CheckpointPlanner:
             self.stats.partial_tails_dropped += 1
         return keep
 
+    def chunk_scheduled(self, block_hashes: Sequence, start: int, stop: int) -> None:
+        """A prefill over hash units [start, stop) of a prompt was scheduled
+        this step: vLLM indexes its pages as it schedules them, and the
+        oracle learns their hashes with them (a chunk's few hundred, where
+        learning at the release put a long prompt's thousands into one
+        step), once the step's scheduling is done (`step_scheduled`): a
+        request planned later in the same step does not see them."""
+        self._step_chunks.append((block_hashes, start, stop))
+
+    def step_scheduled(self) -> None:
+        for chunk in self._step_chunks:
+            self.oracle.learn(*chunk)
+        self._step_chunks.clear()
+
     def finished(self, request_id: str, block_hashes: Sequence, kept_states: Iterable[int],
                  computed: Optional[int] = None) -> None:
         """A request gave its pages back: the first `computed` of its
@@ -194,11 +209,11 @@ class CheckpointPlanner:
         positions of the states it wrote that are still indexed (one state
         group's)."""
         plan = self.plans.pop(request_id)
-        # the hashes below its hit went in when the request that computed
-        # them finished: only the new ones are copied (a long prompt's
-        # release, in the scheduler's step, has thousands below its hit)
-        skip = plan.hit // self.hash_unit if plan is not None else 0
-        self.oracle.learn(block_hashes[skip:computed])
+        # its prompt's hashes were learned as its chunks were scheduled
+        # (`chunk_scheduled`); what it generated is learned here (a next turn
+        # resends it)
+        skip = plan.prompt_len // self.hash_unit if plan is not None else 0
+        self.oracle.learn(block_hashes, skip, computed)
         if plan is None:
             return
         prompt_end_block = (plan.prompt_len - 1) // self.block_size * self.block_size

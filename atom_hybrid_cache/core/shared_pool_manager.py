@@ -34,7 +34,6 @@ What the plugin does in vLLM, and this model with it:
 
 Left out (BENCHMARKS.md, "The planner against vLLM's scheduler"): the KV of
 draft tokens (a page at most a running request), more than one attention group.
-
 The interface is `manager.HybridCacheManager`'s: `replay.simulator` drives either.
 """
 
@@ -130,6 +129,8 @@ class SharedPoolManager:
         return self.window.open(waiting, running) if self.window is not None else []
 
     def close_step(self, scheduled_tokens: int) -> None:
+        if self.planner is not None:
+            self.planner.step_scheduled()
         if any(self._cow_sources):
             self.pool.free([p for group in self._cow_sources for p in group])
             self._cow_sources = [[] for _ in range(self.pps + 1)]
@@ -329,9 +330,9 @@ class SharedPoolManager:
         pool = self.pool
         for j in range(start // P, min(end // P, len(hashes) // self.sub)):
             pool.index_page(held.kv[j], hashes[(j + 1) * self.sub - 1])
-        learn = self.oracle.learn_one
-        for i in range(start // U, min(end // U, len(hashes))):
-            learn(hashes[i])
+        self.oracle.learn(hashes, start // U, end // U)
+        if self.planner is not None:
+            self.planner.chunk_scheduled(hashes, start // U, min(end, req.prompt_len) // U)
         last = (req.prompt_len - self.shape.successor_room) // U * U
         if end >= req.prompt_len and last >= U:    # vLLM re-keys the prompt-end state
             self._step_states[self.index.state_keys(hashes[last // U - 1])[0]] = req.request_id
@@ -363,8 +364,7 @@ class SharedPoolManager:
         U = self.block_size
         prompt_end = (req.prompt_len - self.shape.successor_room) // U * U
         if not (self.plugin and held.retired and held.retired[-1][0] == prompt_end):
-            # (the plugin holds the prompt-end state to the release:
-            # vllm/anchor_holds.py)
+            # (the plugin holds the prompt-end state to the release: anchor_holds.py)
             if passed := held.passed_state(req.num_computed, self.page):
                 self.pool.free(passed)
         new = req.num_tokens + n

@@ -65,6 +65,7 @@ def chunk_tokens(sched, parts, request, n: int, start: int, local_hit: int) -> i
                                      request, sched.hash_block_size, local_hit)
             planner.plan(rid, request.num_prompt_tokens, request.block_hashes, hit=start,
                          kv_reach=max(start, reach))
+    parts.step_prefills[rid] = request
     end = planner.chunk_stop(rid, start, start + n)
     if end >= request.num_prompt_tokens and parts.anchors is not None:
         parts.anchors.pending.add(rid)
@@ -72,8 +73,9 @@ def chunk_tokens(sched, parts, request, n: int, start: int, local_hit: int) -> i
 
 
 def after_schedule(sched, parts, out) -> None:
-    """Count the step's admissions (what each reused), the states its
-    forwards write from inside, and hold the prompt-end states of the
+    """Count the step's admissions (what each reused), teach the oracle
+    the prefill chunks' hashes, count the states its forwards write from
+    inside, and hold the prompt-end states of the
     prompts now scheduled to their end."""
     planner = parts.planner
     for new in out.scheduled_new_reqs:
@@ -88,12 +90,21 @@ def after_schedule(sched, parts, out) -> None:
     for rid in out.scheduled_cached_reqs.resumed_req_ids:
         _count_resumed(sched, planner, out, rid)
         parts.passed_over.pop(rid, None)
-    if planner.interior_readable:
-        for rid, n in out.num_scheduled_tokens.items():
-            request = sched.requests[rid]
+    if parts.step_prefills:
+        # (only prefills size a chunk: a decode step walks nothing here)
+        unit = sched.hash_block_size
+        scheduled = out.num_scheduled_tokens
+        for rid, request in parts.step_prefills.items():
+            n = scheduled.get(rid)
+            if not n:
+                continue
             end = request.num_computed_tokens
-            if end - n < request.num_prompt_tokens:
+            planner.chunk_scheduled(request.block_hashes, (end - n) // unit,
+                                    min(end, request.num_prompt_tokens) // unit)
+            if planner.interior_readable:
                 planner.forward_scheduled(rid, end - n, end)
+        parts.step_prefills.clear()
+        planner.step_scheduled()
     if parts.anchors is not None and parts.anchors.pending:
         parts.anchors.hold_pending(sched.requests)
 

@@ -44,6 +44,9 @@ class SchedulerParts:
     # ATOM_ADMISSION_ORDER=hits-first, and {request id: times passed over}
     hits_first: bool = False
     passed_over: dict = field(default_factory=dict)
+    # {request id: request} of the prefills vLLM sized a chunk for this
+    # step (`admission.chunk_tokens`; those it scheduled are counted after)
+    step_prefills: dict = field(default_factory=dict)
     # group ids of our state groups; [(group id, block size)] of the
     # attention groups
     state_groups: list = field(default_factory=list)
