@@ -205,11 +205,9 @@ class HybridCacheManager:
         kv = self.kv
         hashes = req.block_hashes
         tokens = req.block_tokens
-        learn = self.oracle.learn_one
         for i in range(first, last):
-            h = hashes[i]
-            kv.commit(req.blocks[i], h, hashes[i - 1] if i else ROOT_PARENT, tokens[i])
-            learn(h)
+            kv.commit(req.blocks[i], hashes[i], hashes[i - 1] if i else ROOT_PARENT, tokens[i])
+        self.oracle.learn(hashes, first, last)
 
     def _keep(self, req: Request, pos: int, kind: CheckpointKind) -> None:
         h = req.block_hashes[pos // self.block_size - 1]

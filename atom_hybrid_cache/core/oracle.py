@@ -44,12 +44,6 @@ class PrefixOracle:
             start -= 1
         seen.update(itertools.islice(hashes, start, min(stop, start + room)))
 
-    def learn_one(self, block_hash) -> None:
-        """Remember the next hash of a chain whose lower hashes are known
-        (a prefill's, in order)."""
-        if len(self.seen) < self.limit:
-            self.seen.add(block_hash)
-
     def reach(self, hashes: Sequence, cap: int, start: int = 0) -> int:
         """How many leading hashes of `hashes` (at most `cap`) an unbounded
         cache holds, `start` known to be held (a hit)."""
