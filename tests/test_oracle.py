@@ -69,3 +69,64 @@ def test_learning_backs_down_to_the_highest_known_parent():
     assert small.seen == set(c[:4])
     assert small.reach(c, 10) == 4
 
+
+
+def test_queued_learning_answers_as_learning_at_once():
+    # the same chunks, one oracle learning each at once, the other queueing
+    # them and catching up now and then: every reach equal, and what each
+    # holds equal once the queue is learned
+    rng = random.Random(11)
+    now, later = PrefixOracle(1 << 20), PrefixOracle(1 << 20)
+    chains = [chain([], 200, "root")]
+    reads = 0
+    for k in range(400):
+        base = rng.choice(chains)
+        cut = rng.randrange(len(base) + 1)
+        c = chain(base[:cut], rng.randrange(1, 300), k)
+        chains.append(c)
+        # its prefill in chunks from a hit (sometimes above what is known:
+        # a connector's load), each queued at its step's end
+        pos = rng.randrange(cut + 1)
+        while pos < len(c):
+            stop = min(len(c), pos + rng.randrange(1, 120))
+            now.learn(c, pos, stop)
+            later.learn_later([(c, pos, stop)])
+            pos = stop
+            roll = rng.random()
+            if roll < 0.2:
+                later.catch_up()
+            elif roll < 0.3:
+                later.catch_up(keep_units=100)
+                assert later.queued_units <= 100
+            probe = rng.choice(chains)
+            start = rng.randrange(len(probe) + 1)
+            if start <= walked_reach(now.seen, probe, len(probe)):
+                assert later.reach(probe, len(probe), start) == now.reach(probe, len(probe), start)
+                reads += 1
+        if rng.random() < 0.3:      # a release: what it generated
+            g = chain(c, 5, f"out{k}")
+            now.learn(g, len(c))
+            later.learn(g, len(c))
+    assert reads > 1000
+    later.catch_up()
+    assert later.seen == now.seen and later.queued == [] and later.queued_units == 0
+
+
+def test_a_read_learns_only_the_queued_chunks_of_its_chain():
+    oracle = PrefixOracle(1 << 20)
+    shared = chain([], 4, "sys")
+    a, b = chain(shared, 10, "a"), chain(shared, 10, "b")
+    oracle.learn(a, 0, 4)
+    # a's next chunks extend one entry; b shares a's first 4 only
+    oracle.learn_later([(a, 4, 8)])
+    oracle.learn_later([(a, 8, 12), (b, 4, 9)])
+    assert oracle.queued == [[a, 4, 12], [b, 4, 9]] and oracle.queued_units == 13
+    # b's parent (sys's last) is known and b is not a's above 4: a stays queued
+    assert oracle.reach(b, 14) == 9
+    assert oracle.queued == [[a, 4, 12]] and oracle.queued_units == 8
+    assert oracle.reach(a, 14) == 12 and oracle.queued == []
+    # an entry whose parent is not known is learned by any read (it walks down)
+    c = chain(shared, 6, "c")
+    oracle.learn_later([(c, 7, 9)])         # 4..6 loaded, never learned
+    assert oracle.reach(a, 14) == 12
+    assert oracle.queued == [] and set(c[:9]) <= oracle.seen

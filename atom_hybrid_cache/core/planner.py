@@ -32,6 +32,9 @@ logger = logging.getLogger("atom_hybrid_cache")
 # Past this many distinct prefix hashes the oracle ("what an unbounded cache
 # would reuse") stops learning: it then under-counts, never over-counts.
 SEEN_HASH_LIMIT = 1 << 22
+# Hash units the oracle may keep queued through a busy step (a few prefill
+# chunks' worth); past it a busy step learns the oldest.
+QUEUED_UNITS_BUSY = 4096
 
 
 @dataclass
@@ -198,9 +201,15 @@ class CheckpointPlanner:
         self._step_chunks.append((block_hashes, start, stop))
 
     def step_scheduled(self) -> None:
-        for chunk in self._step_chunks:
-            self.oracle.learn(*chunk)
+        """The step's chunks join the oracle's queue: learned in a quiet
+        step (`catch_up`), or before the next plan reads the oracle."""
+        self.oracle.learn_later(self._step_chunks)
         self._step_chunks.clear()
+
+    def catch_up(self, quiet: bool) -> None:
+        """After a step: a quiet one (no prefill) learns the queued chunks;
+        a busy one only what is past `QUEUED_UNITS_BUSY`."""
+        self.oracle.catch_up(0 if quiet else QUEUED_UNITS_BUSY)
 
     def finished(self, request_id: str, block_hashes: Sequence, kept_states: Iterable[int],
                  computed: Optional[int] = None) -> None:

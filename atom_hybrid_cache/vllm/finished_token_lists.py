@@ -9,10 +9,13 @@ to an object made long ago, a cache miss. Measured on the scheduler bench
 of 1.4-1.6 ms. The plugin's release in units already makes that step heavier
 than vLLM's, so it was the one that set the plugin's p99 step. Here the
 scheduler keeps those lists once the request is released and frees each
-from its end, a slice in each `schedule()` (which async scheduling overlaps
-with the forward): at least `SLICE_ENTRIES` entries a step, and a
-`DRAIN_STEPS`-th of what waits, so that at any load what is held stays
-about `DRAIN_STEPS` steps' worth of what finishes.
+from its end, a slice in each quiet `schedule()` (one that scheduled no
+prefill; async scheduling overlaps it with the forward): at least
+`SLICE_ENTRIES` entries, and a `DRAIN_STEPS`-th of what waits, so that
+what is held stays about `DRAIN_STEPS` quiet steps' worth of what
+finishes. A prefill step, the slowest kind, frees a slice only while more
+than `BUSY_STEP_BACKLOG` entries wait (a run of prefills with no quiet
+step between them still drains).
 
 A list is cut only while nothing else references it (a connector or a
 caller keeping the prompt sees it whole); one still referenced elsewhere is
@@ -31,6 +34,9 @@ from . import private_api
 # share of what waits freed per step (its inverse)
 SLICE_ENTRIES = 8192
 DRAIN_STEPS = 16
+# entries left waiting through a prefill step (about two 100k-token
+# requests' lists)
+BUSY_STEP_BACKLOG = 1 << 19
 
 
 def _references(entries) -> int:
@@ -71,15 +77,16 @@ class FinishedTokenLists:
             self.groups.append(group)
             self.pending += sum(map(len, group))
 
-    def free_slice(self) -> int:
-        """Free this step's slice from the lists' ends; the entries freed.
+    def free_slice(self, quiet: bool = True) -> int:
+        """Free this step's slice from the lists' ends (`quiet`: the step
+        scheduled no prefill); the entries freed.
         A request's lists shrink together, each by the same share: the
         prompt and the prompt plus output hold the same token objects at
         the same places, so the second list's references find them in
         cache (freed one list after the other: 9.2 ns an entry against
         8.0, on the scheduler bench's first 30 traces)."""
         groups = self.groups
-        if not groups:
+        if not groups or (not quiet and self.pending <= BUSY_STEP_BACKLOG):
             return 0    # (it runs in every step)
         budget = max(SLICE_ENTRIES, -(-self.pending // DRAIN_STEPS))
         freed = 0

@@ -9,8 +9,9 @@ attention-only model). It overrides five methods and nothing else:
   flight leave each (`admission.size_share`), floor states
   (`floor_states`), hits-first (`admission_order`) and the admission gate
   (`admission_gate`); after it, the step's accounting
-  (`admission.after_schedule`) and a slice of the released requests'
-  token lists freed;
+  (`admission.after_schedule`), and in a step without prefill the
+  oracle's queued learning and a slice of the released requests' token
+  lists freed;
 - `_mamba_block_aligned_split`: chunk stops (`admission.chunk_tokens`);
 - `_free_request_blocks`: release in units (`release`), and the request's
   token lists kept to be freed a slice a step (`finished_token_lists`);
@@ -93,10 +94,14 @@ class AtomSchedulerMixin:
                 lookups.end_step()
             if gated is not None:
                 gate.close(self, gated, out)
+        # a step with a prefill chunk is the slowest kind: what can wait
+        # (the oracle's learning, freeing released lists) waits for one without
+        quiet = not parts.step_prefills
         if parts.planner is not None:
             admission.after_schedule(self, parts, out)
+            parts.planner.catch_up(quiet)
         if parts.finished_lists is not None:
-            parts.finished_lists.free_slice()
+            parts.finished_lists.free_slice(quiet)
         return out
 
     def reset_prefix_cache(self, *args, **kwargs) -> bool:

@@ -73,6 +73,24 @@ def test_a_large_backlog_drains_a_sixteenth_a_step():
     assert steps == STEPS_TO_DRAIN_400K
 
 
+def test_a_prefill_step_frees_nothing_until_the_backlog_is_large():
+    # the steps with a prefill chunk are the slowest: what is kept waits for
+    # a step without one, unless more than BUSY_STEP_BACKLOG entries wait
+    assert finished_token_lists.BUSY_STEP_BACKLOG == 1 << 19
+    lists = FinishedTokenLists()
+    lists.keep(_request("a", 20_000))
+    assert lists.free_slice(quiet=False) == 0 and lists.pending == 40_000
+    assert lists.free_slice(quiet=True) == 8192
+    for i in range(14):
+        lists.keep(_request(f"r{i}", 20_000))
+    assert lists.pending == 591_808 > 1 << 19
+    assert lists.free_slice(quiet=False) == -(-591_808 // 16)
+    while lists.pending > 1 << 19:
+        lists.free_slice(quiet=False)
+    left = lists.pending
+    assert lists.free_slice(quiet=False) == 0 and lists.pending == left
+
+
 def test_a_list_referenced_elsewhere_is_let_go_uncut():
     lists = FinishedTokenLists()
     request = _request("a", 20_000)
