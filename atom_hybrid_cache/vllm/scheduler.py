@@ -20,7 +20,9 @@ Without our state groups it is vLLM's scheduler (plus the gate, if asked).
 The lookups the gate and hits-first make answer vLLM's lookups of the same
 step, and theirs of the steps after, while they stand (`step_lookups`);
 the attention half of every lookup
-is the plugin's walk (`attention_lookup`), vLLM's answer.
+is the plugin's walk (`attention_lookup`), vLLM's answer; a running
+request's settled attention tail is not filed again each step
+(`attention_tail`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import admission, attention_lookup, cached_tokens_estimate, release
+from . import admission, attention_lookup, attention_tail, cached_tokens_estimate, release
 from .admission_order import order_waiting
 from .scheduler_setup import SchedulerParts, build_parts
 from .step_lookups import StepLookups
@@ -45,6 +47,8 @@ class AtomSchedulerMixin:
     def _atom_setup(self) -> None:
         self.atom = build_parts(self)
         attention_lookup.install(self.kv_cache_manager.coordinator)
+        attention_tail.install(self.kv_cache_manager.coordinator,
+                               getattr(self.kv_cache_manager.block_pool, "hash_block_size", 0))
         cached_tokens_estimate.install(self.kv_cache_manager)
         if self.atom.gate is not None or self.atom.hits_first:
             kvm = self.kv_cache_manager

@@ -3,14 +3,16 @@
 The four per-step methods of our state groups (`get_num_blocks_to_allocate`,
 `allocate_new_blocks`, `remove_skipped_blocks`, `cache_blocks`) answer a
 decode step inside the running page without calling vLLM's align-mode
-versions. Here vLLM's real scheduler serves the embedded sample traces under
+versions, and the attention groups do not file a settled prompt tail again
+(`attention_tail.py`). Here vLLM's real scheduler serves the embedded sample traces under
 pressure (the scheduler benchmark's smoke point: preemptions, copy-on-write
 partial tails, our chunk stops and retention; vLLM's plain and async
 schedulers) twice, with the shortcuts and
 with `AtomStateManager.steady_shortcuts = False`, and after every step the
 whole allocation state must be identical: every request's block table in
 every group, the managers' bookkeeping, every page's reference count and
-hash, and the order of the free queue (which page is evicted next).
+hash, every key of the prefix index, and the order of the free queue
+(which page is evicted next); at the plan's block and at vLLM's default.
 """
 
 from __future__ import annotations
@@ -56,18 +58,22 @@ def snapshot(sched) -> tuple:
         groups.append(tuple(part))
     pages = tuple((b.block_id, b.ref_cnt, b.block_hash, b.block_hash_num_tokens)
                   for b in pool.blocks)
+    # every key of the prefix index (a partial tail's too) and the page it names
+    index = _ids(pool.cached_block_hash_to_block._cache)
+    extra = _ids(pool.cached_block_hashes_by_block)
     free = tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks())
     requests = tuple(sorted((rid, r.num_computed_tokens, str(r.status))
                             for rid, r in sched.requests.items()))
-    return tuple(groups), pages, free, requests
+    return tuple(groups), pages, index, extra, free, requests
 
 
-def serve(conversations, monkeypatch, shortcuts: bool, async_scheduling: bool):
+def serve(conversations, monkeypatch, shortcuts: bool, async_scheduling: bool,
+          policy: str = "plugin"):
     """[snapshot after every step], the PointResult, and how often vLLM's
     own per-step methods ran for our state groups."""
-    from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager, MambaManager
 
-    from atom_hybrid_cache.vllm import state_manager
+    from atom_hybrid_cache.vllm import attention_tail, state_manager
 
     calls = {}
     answers = []   # what our manager answered, call by call
@@ -87,14 +93,17 @@ def serve(conversations, monkeypatch, shortcuts: bool, async_scheduling: bool):
 
     with monkeypatch.context() as mp:
         mp.setattr(state_manager.AtomStateManager, "steady_shortcuts", shortcuts)
+        mp.setattr(attention_tail.TailOnce, "enabled", shortcuts)
         for name in ("get_num_blocks_to_allocate", "allocate_new_blocks"):
             mp.setattr(state_manager.AtomStateManager, name,
                        recorded(name, getattr(state_manager.AtomStateManager, name)))
         for name in ("get_num_blocks_to_allocate", "allocate_new_blocks", "remove_skipped_blocks"):
             mp.setattr(MambaManager, name, counted(name, getattr(MambaManager, name)))
+        mp.setattr(FullAttentionManager, "_cache_partial_tail_block",
+                   counted("attention tail", FullAttentionManager._cache_partial_tail_block))
         mp.setattr(state_manager, "_mamba_cache_blocks",
                    counted("cache_blocks", state_manager._mamba_cache_blocks))
-        steps = SB.serve_point(conversations, "plugin", async_scheduling=async_scheduling, **POINT)
+        steps = SB.serve_point(conversations, policy, async_scheduling=async_scheduling, **POINT)
         snaps = []
         while True:
             try:
@@ -118,12 +127,17 @@ def conversations():
     return load_sample_conversations()
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_shortcuts_leave_every_step_identical(conversations, monkeypatch, async_scheduling):
+@pytest.mark.parametrize("async_scheduling,policy", [
+    (False, "plugin"), (True, "plugin"),
+    # vLLM's page, a finer hash unit: the attention tail is filed (`attention_tail`)
+    (False, "plugin-default-block"), (True, "plugin-default-block")],
+    ids=["sync", "async", "sync-default-block", "async-default-block"])
+def test_shortcuts_leave_every_step_identical(conversations, monkeypatch, async_scheduling,
+                                              policy):
     fast, fast_answers, fast_result, fast_calls = serve(conversations, monkeypatch, True,
-                                                        async_scheduling)
+                                                        async_scheduling, policy)
     slow, slow_answers, slow_result, slow_calls = serve(conversations, monkeypatch, False,
-                                                        async_scheduling)
+                                                        async_scheduling, policy)
     assert len(fast) == len(slow) == fast_result.steps
     for step, (a, b) in enumerate(zip(fast, slow)):
         assert a == b, f"allocation state differs after step {step}"
@@ -134,6 +148,8 @@ def test_shortcuts_leave_every_step_identical(conversations, monkeypatch, async_
         slow_result.hit_tokens, slow_result.preemptions)
     # the point has pressure: preemptions and copy-on-write tails happen
     assert slow_result.preemptions > 0
+    # (vLLM's page is longer than the hash unit at both: its attention tail is filed)
+    assert slow_calls["attention tail"] > 0
     # and the shortcuts were taken: vLLM's methods ran for a fraction of the calls
     for name, n in slow_calls.items():
         assert fast_calls.get(name, 0) < n / 2, (name, fast_calls.get(name), n)
