@@ -212,11 +212,14 @@ class PricedFreeOrder:
             # a run from this class while it stays below the next class's
             # head (a stale entry there only ends the run early)
             limit = heads[0] if heads else None
+            popitem = cls.popitem
             while len(out) < n and cls:
-                page, base = next(iter(cls.items()))
+                page, base = popitem(last=False)
                 if limit is not None and (base + off, neg) > limit:
+                    # past the next head: back where it was (once a run)
+                    cls[page] = base
+                    cls.move_to_end(page, last=False)
                     break
-                cls.popitem(last=False)
                 out.append(page)
             if cls:
                 key = next(iter(cls.values())) + off

@@ -22,7 +22,8 @@ step, and theirs of the steps after, while they stand (`step_lookups`);
 the attention half of every lookup
 is the plugin's walk (`attention_lookup`), vLLM's answer; a running
 request's settled attention tail is not filed again each step
-(`attention_tail`).
+(`attention_tail`), and vLLM's page-size view of a request's hashes slices
+in C (`block_hash_view`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from __future__ import annotations
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from . import admission, attention_lookup, attention_tail, cached_tokens_estimate, release
+from . import (admission, attention_lookup, attention_tail, block_hash_view,
+               cached_tokens_estimate, release)
 from .admission_order import order_waiting
 from .scheduler_setup import SchedulerParts, build_parts
 from .step_lookups import StepLookups
@@ -49,6 +51,7 @@ class AtomSchedulerMixin:
         attention_lookup.install(self.kv_cache_manager.coordinator)
         attention_tail.install(self.kv_cache_manager.coordinator,
                                getattr(self.kv_cache_manager.block_pool, "hash_block_size", 0))
+        block_hash_view.install()
         cached_tokens_estimate.install(self.kv_cache_manager)
         if self.atom.gate is not None or self.atom.hits_first:
             kvm = self.kv_cache_manager
