@@ -70,6 +70,8 @@ class AdmissionGate:
         """`stats`: where the holds are counted (the planner's)."""
         # the decisions and what they remember from step to step
         self.steps = GateSteps(stats)
+        # (vLLM's managers, their page groups)
+        self._groups = None
 
     @property
     def stats(self) -> CacheStats:
@@ -115,7 +117,10 @@ class AdmissionGate:
             return None
         kvm = sched.kv_cache_manager
         managers = kvm.coordinator.single_type_managers
-        groups = _page_groups(managers)
+        if self._groups is None or self._groups[0] is not managers:
+            # (the groups are vLLM's for the server's life: read once)
+            self._groups = (managers, _page_groups(managers))
+        groups = self._groups[1]
         candidates = _look_up(kvm, groups, itertools.islice(waiting, limit),
                               {**remembered, **(hits or {})})
         if not candidates:
