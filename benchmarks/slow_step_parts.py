@@ -15,6 +15,10 @@ sit in both policies wherever the code is shared, so their own cost is in
 both columns.
 
     python3 benchmarks/slow_step_parts.py --max-traces 30 --point c4:40
+
+`--by-kind` adds, for each kind of step (decode only; a full prefill chunk
+without an admission; one with), every step of that kind averaged part by
+part: where the policies' steps of the same work differ.
 """
 
 from __future__ import annotations
@@ -118,7 +122,7 @@ class StepTimers:
         self.free_after = free_requests_after_step
         self.current: collections.Counter | None = None
         labels = [label for _, _, label in self.parts]
-        labels += ["schedule()", "update_from_output()", "step"]
+        labels += ["schedule()", "update_from_output()", "step", *KIND_COUNTS]
         self.steps: dict[str, StepRecord] = collections.defaultdict(lambda: StepRecord(labels))
         self._finished: list = []
         # each scheduler's step under way, from its schedule() to its update
@@ -195,6 +199,10 @@ class StepTimers:
                 self.current = None
                 if output.num_scheduled_tokens:
                     step["step"] = step["schedule()"] + step["update_from_output()"]
+                    # what kind of step it was (counts, not times: `by_kind`)
+                    step["#tokens"] = output.total_num_scheduled_tokens
+                    step["#requests"] = len(output.num_scheduled_tokens)
+                    step["#admitted"] = len(output.scheduled_new_reqs)
                     self.steps[type(sched).__name__].append(step)
                 self._finished.clear()
 
@@ -222,6 +230,30 @@ def measure(conversations: list, policies: list, *, free_requests_after_step: bo
     return [(r, timers.steps[r.scheduler]) for r in results]
 
 
+# per step, what kind it was (`StepTimers` records them beside the times)
+KIND_COUNTS = ("#tokens", "#requests", "#admitted")
+# a step whose token budget a prefill chunk filled (8,192 here, a few
+# decodes aside)
+FULL_PREFILL_TOKENS = 8000
+KINDS = {
+    "decode only": lambda s: s["#tokens"] == s["#requests"],
+    "a full prefill chunk, no admission": lambda s: (s["#tokens"] >= FULL_PREFILL_TOKENS
+                                                     and not s["#admitted"]),
+    "a full prefill chunk and an admission": lambda s: (s["#tokens"] >= FULL_PREFILL_TOKENS
+                                                        and s["#admitted"]),
+}
+
+
+def by_kind(steps) -> list[str]:
+    """Every step of each kind (`KINDS`), averaged part by part."""
+    out = []
+    for kind, is_kind in KINDS.items():
+        chosen = [s for s in steps if is_kind(s)]
+        out.append(f"  -- {kind}")
+        out += band_table(chosen, 0, 100) if chosen else ["  (none)"]
+    return out
+
+
 def band_table(steps, lo: float, hi: float) -> list[str]:
     totals = sorted(s["step"] for s in steps)
     n = len(totals)
@@ -236,7 +268,7 @@ def band_table(steps, lo: float, hi: float) -> list[str]:
            f"{b / 1e3:,.0f} us, {len(band)} steps",
            f"  {'part':52s} {'us a band step':>15s} {'steps with it':>14s} {'us each':>9s}"]
     for label, total in sorted(sums.items(), key=lambda kv: -kv[1]):
-        if not total:
+        if not total or label in KIND_COUNTS:
             continue
         out.append(f"  {label:52s} {total / len(band) / 1e3:15,.1f} {counts[label]:14d} "
                    f"{total / counts[label] / 1e3:9,.1f}")
@@ -252,6 +284,9 @@ def main(argv=None) -> int:
                     default=bench.parse_policies("native,plugin-default-block"),
                     help="one native and one plugin policy at most")
     ap.add_argument("--band", default="98.5,99.5", help="LO,HI percentiles of the step total")
+    ap.add_argument("--by-kind", action="store_true",
+                    help="also every step of each kind (decode only; a full prefill chunk, "
+                         "with and without an admission), averaged part by part")
     ap.add_argument("--free-requests-after-step", action="store_true",
                     help="diagnostic: a finished request is deallocated after its step is "
                          "timed, not in it")
@@ -272,6 +307,8 @@ def main(argv=None) -> int:
         print(f"\n{r.policy} ({r.scheduler}): p99 {r.step_cpu_us_p99:,.0f} us "
               "by scheduler_bench's own clock")
         print("\n".join(band_table(steps, lo, hi)))
+        if args.by_kind:
+            print("\n".join(by_kind(steps)))
     return 0
 
 

@@ -54,6 +54,25 @@ def test_band_table_averages_the_parts_over_the_band_steps():
     assert "update_from_output()" not in rows        # zero in every band step
 
 
+def test_by_kind_averages_every_step_of_each_kind():
+    tool = _load_tool()
+
+    def kind(step, tokens, requests, admitted):
+        step.update({"#tokens": tokens, "#requests": requests, "#admitted": admitted})
+        return step
+    steps = [kind(_step(10, 0), 8, 8, 0), kind(_step(30, 0), 8, 8, 0),
+             kind(_step(50, 0, gate=6), 8192, 8, 1), kind(_step(40, 0), 8100, 8, 0),
+             kind(_step(70, 0), 4000, 8, 0)]          # a short chunk: no kind
+    lines = tool.by_kind(steps)
+    assert lines[0] == "  -- decode only"
+    assert lines[1] == "2 steps, p99 30 us; band p0-p100: 10-30 us, 2 steps"
+    i = lines.index("  -- a full prefill chunk, no admission")
+    assert lines[i + 1] == "1 steps, p99 40 us; band p0-p100: 40-40 us, 1 steps"
+    j = lines.index("  -- a full prefill chunk and an admission")
+    rows = {line[:54].strip(): line[54:].split() for line in lines[j + 3:]}
+    assert rows["gate"] == ["6.0", "1", "6.0"] and "#tokens" not in rows
+
+
 def _tracked_reachable(obj) -> int:
     """How many objects the collector tracks are reachable from `obj`
     (classes not followed)."""
