@@ -283,10 +283,14 @@ def test_the_oracle_learns_a_prefill_chunk_once_its_step_is_scheduled():
     p.chunk_scheduled(hashes, 6, 10)
     p.step_scheduled()
     p.finished("r", hashes, [], 12)
-    assert p.oracle.seen == set(hashes)
+    # what it generated queued behind its chunk, in one entry
+    assert p.oracle.queued == [[hashes, 6, 12]]
+    p.catch_up(quiet=True)
+    assert p.oracle.seen == set(hashes) and p.oracle.queued == []
     # without a plan, from the start; without a count, the whole list
     p.finished("t", ["a0", "a1", "a2"], [], 2)
     p.finished("u", ["b0"], [])
+    p.catch_up(quiet=True)
     assert p.oracle.seen == set(hashes) | {"a0", "a1", "b0"}
 
 

@@ -200,11 +200,14 @@ class CheckpointPlanner:
         request planned later in the same step does not see them."""
         self._step_chunks.append((block_hashes, start, stop))
 
-    def step_scheduled(self) -> None:
+    def step_scheduled(self, learn_now: bool = False) -> None:
         """The step's chunks join the oracle's queue: learned in a quiet
-        step (`catch_up`), or before the next plan reads the oracle."""
+        step (`catch_up`), or before the next plan reads the oracle
+        (`learn_now`: the queue learned at once)."""
         self.oracle.learn_later(self._step_chunks)
         self._step_chunks.clear()
+        if learn_now:
+            self.oracle.catch_up()
 
     def catch_up(self, quiet: bool) -> None:
         """After a step: a quiet one (no prefill) learns the queued chunks;
@@ -222,7 +225,10 @@ class CheckpointPlanner:
         # (`chunk_scheduled`); what it generated is learned here (a next turn
         # resends it)
         skip = plan.prompt_len // self.hash_unit if plan is not None else 0
-        self.oracle.learn(block_hashes, skip, computed)
+        # queued behind its prompt's chunks (one entry): a release of a
+        # short output often follows its prefill with no quiet step between
+        stop = len(block_hashes) if computed is None else min(computed, len(block_hashes))
+        self.oracle.learn_later([(block_hashes, skip, stop)])
         if plan is None:
             return
         prompt_end_block = (plan.prompt_len - 1) // self.block_size * self.block_size

@@ -129,8 +129,8 @@ class SharedPoolManager:
         return self.window.open(waiting, running) if self.window is not None else []
 
     def close_step(self, scheduled_tokens: int) -> None:
-        if self.planner is not None:
-            self.planner.step_scheduled()
+        if self.planner is not None:    # (no busy step to spare: it learns at once)
+            self.planner.step_scheduled(learn_now=True)
         if any(self._cow_sources):
             self.pool.free([p for group in self._cow_sources for p in group])
             self._cow_sources = [[] for _ in range(self.pps + 1)]
