@@ -19,6 +19,12 @@ both columns.
 `--by-kind` adds, for each kind of step (decode only; a full prefill chunk
 without an admission; one with), every step of that kind averaged part by
 part: where the policies' steps of the same work differ.
+
+`--without` adds, for each part, the p99 of the steps with that part's time
+taken out: how far p99 would fall if the part cost nothing (an upper
+bound of what making it faster could give; where the plugin's part stands
+in for vLLM's own work, as the gate's lookups do for vLLM's, vLLM's cost
+would come back).
 """
 
 from __future__ import annotations
@@ -254,6 +260,27 @@ def by_kind(steps) -> list[str]:
     return out
 
 
+def p99_without_each(steps) -> list[str]:
+    """For each part that took time in some step, the p99 of the step totals
+    with that part's time taken out, largest fall first."""
+    n = len(steps)
+    if not n:
+        return ["  (no steps)"]
+    at = int(n * 0.99)
+    p99 = sorted(s["step"] for s in steps)[at]
+    labels = {label for s in steps for label, v in s.items()
+              if v and label not in (*KIND_COUNTS, "step", "schedule()", "update_from_output()")}
+    rows = []
+    for label in labels:
+        without = sorted(s["step"] - s[label] for s in steps)[at]
+        rows.append((p99 - without, label, without))
+    out = [f"  p99 {p99 / 1e3:,.0f} us; without one part's time:",
+           f"  {'part':52s} {'p99 without':>12s} {'fall':>7s}"]
+    for fall, label, without in sorted(rows, key=lambda r: (-r[0], r[1])):
+        out.append(f"  {label:52s} {without / 1e3:12,.0f} {fall / 1e3:7,.0f}")
+    return out
+
+
 def band_table(steps, lo: float, hi: float) -> list[str]:
     totals = sorted(s["step"] for s in steps)
     n = len(totals)
@@ -287,6 +314,8 @@ def main(argv=None) -> int:
     ap.add_argument("--by-kind", action="store_true",
                     help="also every step of each kind (decode only; a full prefill chunk, "
                          "with and without an admission), averaged part by part")
+    ap.add_argument("--without", action="store_true",
+                    help="also the p99 with each part's time taken out, largest fall first")
     ap.add_argument("--free-requests-after-step", action="store_true",
                     help="diagnostic: a finished request is deallocated after its step is "
                          "timed, not in it")
@@ -309,6 +338,8 @@ def main(argv=None) -> int:
         print("\n".join(band_table(steps, lo, hi)))
         if args.by_kind:
             print("\n".join(by_kind(steps)))
+        if args.without:
+            print("\n".join(p99_without_each(list(steps))))
     return 0
 
 

@@ -10,12 +10,19 @@ of 1.4-1.6 ms. The plugin's release in units already makes that step heavier
 than vLLM's, so it was the one that set the plugin's p99 step. Here the
 scheduler keeps those lists once the request is released and frees each
 from its end, a slice in each quiet `schedule()` (one that scheduled no
-prefill; async scheduling overlaps it with the forward): at least
-`SLICE_ENTRIES` entries, and a `DRAIN_STEPS`-th of what waits, so that
-what is held stays about `DRAIN_STEPS` quiet steps' worth of what
-finishes. A prefill step, the slowest kind, frees a slice only while more
-than `BUSY_STEP_BACKLOG` entries wait (a run of prefills with no quiet
-step between them still drains).
+prefill; async scheduling overlaps it with the forward): a `DRAIN_STEPS`-th
+of what waits, at least `SLICE_ENTRIES` entries and at most
+`QUIET_SLICE_MAX` (a slice of a large backlog would itself make a decode
+step a slow one). A prefill step, the slowest kind, frees only what waits
+beyond `BUSY_STEP_BACKLOG` entries (a run of prefills with no quiet step
+between them still drains, each step freeing about what the step before
+released, as vLLM would).
+
+Measured on the held-out Mooncake trace (c8 / 40 GiB, all 3,993 requests:
+`benchmarks/slow_step_parts.py --without`): with a sixteenth of what waits
+in every step past a line of 2^19 entries, 134 prefill steps freed 35k
+entries each (about 0.3 ms) and quiet slices reached 36k; those steps were
+a quarter of the plugin's slowest percent.
 
 A list is cut only while nothing else references it (a connector or a
 caller keeping the prompt sees it whole); one still referenced elsewhere is
@@ -30,13 +37,15 @@ from typing import Optional
 
 from . import private_api
 
-# entries freed at least per step (tens of microseconds here), and the
-# share of what waits freed per step (its inverse)
+# entries freed at least per quiet step (tens of microseconds here), the
+# share of what waits freed per quiet step (its inverse), and at most
+# (about 0.15 ms: a decode step stays under the prefill steps)
 SLICE_ENTRIES = 8192
 DRAIN_STEPS = 16
-# entries left waiting through a prefill step (about two 100k-token
-# requests' lists)
-BUSY_STEP_BACKLOG = 1 << 19
+QUIET_SLICE_MAX = 16384
+# entries left waiting through a prefill step (about ten 100k-token
+# requests' lists: 20-80 MB of Python objects at most)
+BUSY_STEP_BACKLOG = 1 << 21
 
 
 def _references(entries) -> int:
@@ -88,7 +97,10 @@ class FinishedTokenLists:
         groups = self.groups
         if not groups or (not quiet and self.pending <= BUSY_STEP_BACKLOG):
             return 0    # (it runs in every step)
-        budget = max(SLICE_ENTRIES, -(-self.pending // DRAIN_STEPS))
+        if quiet:
+            budget = min(QUIET_SLICE_MAX, max(SLICE_ENTRIES, -(-self.pending // DRAIN_STEPS)))
+        else:
+            budget = self.pending - BUSY_STEP_BACKLOG
         freed = 0
         while groups and freed < budget:
             group = groups[0]

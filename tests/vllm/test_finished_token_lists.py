@@ -20,7 +20,7 @@ from atom_hybrid_cache.vllm.finished_token_lists import FinishedTokenLists  # no
 
 PROMPT = 3000       # tokens: 46 block hashes of 64 tokens
 DECODE = 24
-STEPS_TO_DRAIN_400K = 34
+STEPS_TO_DRAIN_400K = 36
 
 
 def _request(rid: str, n: int):
@@ -38,7 +38,8 @@ def _lengths(kept: FinishedTokenLists) -> list:
 
 
 def test_a_kept_request_is_freed_from_the_end_a_slice_a_step():
-    assert (finished_token_lists.SLICE_ENTRIES, finished_token_lists.DRAIN_STEPS) == (8192, 16)
+    assert (finished_token_lists.SLICE_ENTRIES, finished_token_lists.DRAIN_STEPS,
+            finished_token_lists.QUIET_SLICE_MAX) == (8192, 16, 16384)
     lists = FinishedTokenLists()
     request = _request("a", 20_000)    # (no block hasher: no block hashes)
     prompt_head = request.prompt_token_ids[:10]
@@ -56,39 +57,42 @@ def test_a_kept_request_is_freed_from_the_end_a_slice_a_step():
     assert lists.pending == 0 and not lists.groups
 
 
-def test_a_large_backlog_drains_a_sixteenth_a_step():
+def test_a_large_backlog_drains_a_sixteenth_a_step_at_most_a_capped_slice():
     lists = FinishedTokenLists()
     for i in range(10):
         lists.keep(_request(f"r{i}", 20_000))
     assert lists.pending == 400_000
-    # a sixteenth of what waits (rounded up), above the floor
-    assert lists.free_slice() == 400_000 // 16 == 25_000
-    steps = 1
+    # a sixteenth of what waits would be 25,000 entries (about 0.2 ms: it
+    # made decode steps slow ones); a quiet step frees at most 16,384
+    slices = [lists.free_slice()]
     while lists.pending:
-        lists.free_slice()
-        steps += 1
-    # a sixteenth a step down to 16 floors' worth (18 steps), then the
-    # floor (16): what waits stays about DRAIN_STEPS steps' worth of what
-    # arrives
-    assert steps == STEPS_TO_DRAIN_400K
+        slices.append(lists.free_slice())
+    assert slices[:9] == [16_384] * 9
+    # then a sixteenth (rounded up per list) down to the floor (8,192):
+    # what waits stays about DRAIN_STEPS steps' worth of what arrives
+    assert slices[9:12] == [15_784, 14_798, 13_874]
+    assert slices[-4:] == [8192, 8192, 8192, 1284]
+    assert len(slices) == STEPS_TO_DRAIN_400K
 
 
-def test_a_prefill_step_frees_nothing_until_the_backlog_is_large():
+def test_a_prefill_step_frees_only_what_waits_past_the_backlog_line():
     # the steps with a prefill chunk are the slowest: what is kept waits for
-    # a step without one, unless more than BUSY_STEP_BACKLOG entries wait
-    assert finished_token_lists.BUSY_STEP_BACKLOG == 1 << 19
+    # a step without one; past BUSY_STEP_BACKLOG entries a prefill step
+    # frees what waits beyond the line, no more (a sixteenth of 2.4M
+    # entries would be 1.3 ms)
+    assert finished_token_lists.BUSY_STEP_BACKLOG == 1 << 21
     lists = FinishedTokenLists()
     lists.keep(_request("a", 20_000))
     assert lists.free_slice(quiet=False) == 0 and lists.pending == 40_000
     assert lists.free_slice(quiet=True) == 8192
-    for i in range(14):
-        lists.keep(_request(f"r{i}", 20_000))
-    assert lists.pending == 591_808 > 1 << 19
-    assert lists.free_slice(quiet=False) == -(-591_808 // 16)
-    while lists.pending > 1 << 19:
-        lists.free_slice(quiet=False)
-    left = lists.pending
-    assert lists.free_slice(quiet=False) == 0 and lists.pending == left
+    for i in range(6):
+        lists.keep(_request(f"r{i}", 200_000))
+    assert lists.pending == 2_431_808
+    assert lists.free_slice(quiet=False) == 2_431_808 - (1 << 21) == 334_656
+    assert lists.pending == 1 << 21
+    assert lists.free_slice(quiet=False) == 0 and lists.pending == 1 << 21
+    # a quiet step still frees its slice
+    assert lists.free_slice(quiet=True) == 16_384
 
 
 def test_a_list_referenced_elsewhere_is_let_go_uncut():

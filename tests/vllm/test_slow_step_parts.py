@@ -73,6 +73,22 @@ def test_by_kind_averages_every_step_of_each_kind():
     assert rows["gate"] == ["6.0", "1", "6.0"] and "#tokens" not in rows
 
 
+def test_p99_without_each_part_takes_that_part_out_of_every_step():
+    tool = _load_tool()
+    # 100 steps of 1..100 us: p99 is the step at index 99 (100 us). The gate
+    # sits in the three slowest (40 us each), a release in the slowest alone
+    steps = [_step(t, 0) for t in range(1, 98)]
+    steps += [_step(98, 0, gate=40), _step(99, 0, gate=40), _step(60, 40, gate=40, release=70)]
+    lines = tool.p99_without_each(steps)
+    assert lines[0] == "  p99 100 us; without one part's time:"
+    rows = {line[:54].strip(): line[54:].split() for line in lines[2:]}
+    # without the gate the three fall to 58, 59, 60 us: p99 is then 97 us
+    assert rows["gate"] == ["97", "3"]
+    # without the release the slowest is 30 us: p99 is then 99 us
+    assert rows["release"] == ["99", "1"]
+    assert [line[:54].strip() for line in lines[2:]] == ["gate", "release"]
+
+
 def _tracked_reachable(obj) -> int:
     """How many objects the collector tracks are reachable from `obj`
     (classes not followed)."""
