@@ -98,6 +98,12 @@ def test_queued_learning_answers_as_learning_at_once():
             elif roll < 0.3:
                 later.catch_up(keep_units=100)
                 assert later.queued_units <= 100
+            elif roll < 0.4:
+                # a quiet step's slice: the oldest chunk may be learned in part
+                before = later.queued_units
+                cap = rng.randrange(1, 60)
+                later.catch_up(max_units=cap)
+                assert later.queued_units == max(0, before - cap)
             probe = rng.choice(chains)
             start = rng.randrange(len(probe) + 1)
             if start <= walked_reach(now.seen, probe, len(probe)):
@@ -110,6 +116,25 @@ def test_queued_learning_answers_as_learning_at_once():
     assert reads > 1000
     later.catch_up()
     assert later.seen == now.seen and later.queued == [] and later.queued_units == 0
+
+
+def test_a_capped_catch_up_learns_the_oldest_chunk_in_part():
+    oracle = PrefixOracle(1 << 20)
+    a, b = chain([], 12, "a"), chain([], 3, "b")
+    oracle.learn_later([(a, 0, 10), (b, 0, 3)])
+    oracle.catch_up(max_units=4)
+    assert oracle.seen == set(a[:4])
+    assert oracle.queued == [[a, 4, 10], [b, 0, 3]] and oracle.queued_units == 9
+    # the rest still takes the prompt's next chunk into its entry
+    oracle.learn_later([(a, 10, 12)])
+    assert oracle.queued == [[a, 4, 12], [b, 0, 3]] and oracle.queued_units == 11
+    oracle.catch_up(max_units=7)
+    assert oracle.seen == set(a[:11])
+    assert oracle.queued == [[a, 11, 12], [b, 0, 3]] and oracle.queued_units == 4
+    oracle.catch_up(max_units=2)
+    assert oracle.seen == set(a) | {b[0]} and oracle.queued == [[b, 1, 3]]
+    oracle.catch_up()
+    assert oracle.seen == set(a) | set(b) and oracle.queued == []
 
 
 def test_a_read_learns_only_the_queued_chunks_of_its_chain():

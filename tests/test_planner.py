@@ -294,6 +294,21 @@ def test_the_oracle_learns_a_prefill_chunk_once_its_step_is_scheduled():
     assert p.oracle.seen == set(hashes) | {"a0", "a1", "b0"}
 
 
+def test_a_quiet_step_learns_a_slice_of_a_long_queue():
+    from atom_hybrid_cache.core import planner as planner_module
+    assert (planner_module.QUIET_LEARN_UNITS, planner_module.QUEUED_UNITS_BUSY) == (256, 4096)
+    p = planner()
+    hashes = [f"h{i}" for i in range(1000)]
+    p.chunk_scheduled(hashes, 0, 1000)        # a busy run's queue
+    p.step_scheduled()
+    p.catch_up(quiet=False)                   # under the busy line: nothing
+    assert p.oracle.queued_units == 1000 and not p.oracle.seen
+    p.catch_up(quiet=True)                    # a quiet step: 256 units
+    assert p.oracle.seen == set(hashes[:256]) and p.oracle.queued == [[hashes, 256, 1000]]
+    # a plan reads its chain whole all the same
+    assert p.plan("r", 64 * 1001, hashes, hit=0, kv_reach=0).reusable == 64 * 1000
+
+
 def test_a_chunk_resumed_on_loaded_pages_teaches_their_hashes_too():
     # "r" resumed at 4 units on pages the oracle never saw computed (a KV
     # connector's load): it learns from the highest hash it knows (h1) up,

@@ -53,13 +53,25 @@ class PrefixOracle:
             else:
                 queued.append([hashes, start, stop])
 
-    def catch_up(self, keep_units: int = 0) -> None:
+    def catch_up(self, keep_units: int = 0, max_units: Optional[int] = None) -> None:
         """Learn the queued chunks, oldest first, until at most `keep_units`
-        hash units' worth stay queued."""
+        hash units' worth stay queued, or `max_units` were learned (None: no
+        limit): the last chunk is then learned in part, and its rest, whose
+        parent is now known, stays queued."""
         queued = self.queued
-        while queued and self.queued_units > keep_units:
-            hashes, start, stop = queued.pop(0)
+        left = max_units
+        while queued and self.queued_units > keep_units and (left is None or left > 0):
+            entry = queued[0]
+            hashes, start, stop = entry
+            if left is not None and stop - start > left:
+                entry[1] = start + left
+                self.queued_units -= left
+                self._learn(hashes, start, start + left)
+                return
+            queued.pop(0)
             self.queued_units -= stop - start
+            if left is not None:
+                left -= stop - start
             self._learn(hashes, start, stop)
 
     def _catch_up_on(self, hashes: Sequence) -> None:

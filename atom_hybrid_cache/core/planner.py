@@ -33,8 +33,11 @@ logger = logging.getLogger("atom_hybrid_cache")
 # would reuse") stops learning: it then under-counts, never over-counts.
 SEEN_HASH_LIMIT = 1 << 22
 # Hash units the oracle may keep queued through a busy step (a few prefill
-# chunks' worth); past it a busy step learns the oldest.
+# chunks' worth); past it a busy step learns the oldest. A quiet step learns
+# at most QUIET_LEARN_UNITS (about 0.1 ms: all of a busy run's queue at once
+# made a decode step one of the slowest)
 QUEUED_UNITS_BUSY = 4096
+QUIET_LEARN_UNITS = 256
 
 
 @dataclass
@@ -210,9 +213,13 @@ class CheckpointPlanner:
             self.oracle.catch_up()
 
     def catch_up(self, quiet: bool) -> None:
-        """After a step: a quiet one (no prefill) learns the queued chunks;
-        a busy one only what is past `QUEUED_UNITS_BUSY`."""
-        self.oracle.catch_up(0 if quiet else QUEUED_UNITS_BUSY)
+        """After a step: a quiet one (no prefill) learns the oldest queued
+        chunks, `QUIET_LEARN_UNITS` at most; a busy one only what is past
+        `QUEUED_UNITS_BUSY`."""
+        if quiet:
+            self.oracle.catch_up(0, QUIET_LEARN_UNITS)
+        else:
+            self.oracle.catch_up(QUEUED_UNITS_BUSY)
 
     def finished(self, request_id: str, block_hashes: Sequence, kept_states: Iterable[int],
                  computed: Optional[int] = None) -> None:
