@@ -310,6 +310,8 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", type=bench.parse_policies,
                     default=bench.parse_policies("native,plugin-default-block"),
                     help="one native and one plugin policy at most")
+    ap.add_argument("--max-model-len", type=int, default=bench.DEFAULT_MAX_MODEL_LEN,
+                    help="the context (scheduler_bench's; a small pool needs a shorter one)")
     ap.add_argument("--band", default="98.5,99.5", help="LO,HI percentiles of the step total")
     ap.add_argument("--by-kind", action="store_true",
                     help="also every step of each kind (decode only; a full prefill chunk, "
@@ -325,7 +327,7 @@ def main(argv=None) -> int:
     conversations = bench.load_conversations(args.traces, args.max_traces)
     try:
         measured = measure(conversations, args.policies, concurrency=concurrency,
-                           memory_gib=gib,
+                           memory_gib=gib, max_model_len=args.max_model_len,
                            free_requests_after_step=args.free_requests_after_step)
     except ValueError as exc:
         ap.error(f"--policies: {exc}")
