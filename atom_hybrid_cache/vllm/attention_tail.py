@@ -64,7 +64,11 @@ def install(coordinator, hash_unit: int) -> int:
     only); the number of managers."""
     installed = 0
     for m in coordinator.single_type_managers:
-        if type(m) is FullAttentionManager and hash_unit and m.block_size != hash_unit:
+        # (what `TailOnce` reads of vLLM's manager: where another vLLM lacks
+        # it, vLLM's calls stay as they are rather than fail mid-serve)
+        if (type(m) is FullAttentionManager and hash_unit and m.block_size != hash_unit
+                and isinstance(getattr(m, "num_cached_block", None), dict)
+                and callable(getattr(m, "pop_blocks_for_free", None))):
             TailOnce(m)
             installed += 1
     return installed

@@ -153,3 +153,24 @@ def test_shortcuts_leave_every_step_identical(conversations, monkeypatch, async_
     # and the shortcuts were taken: vLLM's methods ran for a fraction of the calls
     for name, n in slow_calls.items():
         assert fast_calls.get(name, 0) < n / 2, (name, fast_calls.get(name), n)
+
+
+def test_the_attention_tail_is_answered_only_where_vllms_manager_has_what_it_reads():
+    """`attention_tail.install` wraps vLLM's full-attention manager only at a
+    finer hash unit and where the manager keeps `num_cached_block` (what
+    `TailOnce` reads): a vLLM without it keeps its own calls."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
+
+    from atom_hybrid_cache.vllm import attention_tail
+
+    manager = FullAttentionManager.__new__(FullAttentionManager)   # no constructor: no state
+    manager.block_size = 400
+    coordinator = SimpleNamespace(single_type_managers=[manager])
+    assert attention_tail.install(coordinator, 50) == 0
+    assert "cache_blocks" not in vars(manager)
+    manager.num_cached_block = {}
+    assert attention_tail.install(coordinator, 400) == 0          # the unit is the page
+    assert attention_tail.install(coordinator, 50) == 1
+    assert isinstance(manager.cache_blocks.__self__, attention_tail.TailOnce)
