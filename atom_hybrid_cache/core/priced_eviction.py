@@ -54,7 +54,7 @@ the planner's pages in `page_pool.PagePool`): one order for both.
 from __future__ import annotations
 
 from collections import OrderedDict
-from heapq import heappop, heappush
+from heapq import heappop, heappush, heapreplace
 from typing import Iterable, Optional, Sequence
 
 from .pool_budget import MIN_SLOT_CHECKPOINTS, past_line
@@ -193,29 +193,45 @@ class PricedFreeOrder:
         """The next n pages to hand out, their prices cleared."""
         if n > self._len:
             raise ValueError(f"{n} pages asked for, {self._len} free")
-        out: list[int] = []
         front = self._front
+        if n == 1:
+            # (vLLM's state groups ask for one page at a time: most calls)
+            page = front.popitem(last=False)[0] if front else self._pop_one_priced()
+            self._where[page] = None
+            self.price[page] = 0.0
+            self._len -= 1
+            self._clock += 1
+            return [page]
+        out: list[int] = []
         while front and len(out) < n:
             out.append(front.popitem(last=False)[0])
         heads, classes, head_key = self._heads, self._classes, self._head_key
         while len(out) < n:
-            key, neg = heappop(heads)
+            key, neg = heads[0]
             off = -neg
             if head_key.get(off) != key:
-                continue                      # a class emptied or refiled since
+                heappop(heads)                # a class emptied or refiled since
+                continue
             cls = classes[off]
             base = next(iter(cls.values()))
             if base + off != key:             # its head was taken by a hit
                 head_key[off] = base + off
-                heappush(heads, (base + off, neg))
+                heapreplace(heads, (base + off, neg))
                 continue
-            # a run from this class while it stays below the next class's
-            # head (a stale entry there only ends the run early)
-            limit = heads[0] if heads else None
+            # a run from this class while it stays at or below the next
+            # class's head, the least of the root's children (a stale entry
+            # there only ends the run early): the last base that may go
+            if len(heads) > 2:
+                next_key, next_neg = min(heads[1], heads[2])
+            elif len(heads) == 2:
+                next_key, next_neg = heads[1]
+            else:
+                next_key, next_neg = None, 0
+            last = None if next_key is None else next_key - off - (neg > next_neg)
             popitem = cls.popitem
             while len(out) < n and cls:
                 page, base = popitem(last=False)
-                if limit is not None and (base + off, neg) > limit:
+                if last is not None and base > last:
                     # past the next head: back where it was (once a run)
                     cls[page] = base
                     cls.move_to_end(page, last=False)
@@ -224,8 +240,9 @@ class PricedFreeOrder:
             if cls:
                 key = next(iter(cls.values())) + off
                 head_key[off] = key
-                heappush(heads, (key, neg))
+                heapreplace(heads, (key, neg))
             else:
+                heappop(heads)
                 del classes[off]
                 del head_key[off]
         where, price = self._where, self.price
@@ -235,6 +252,33 @@ class PricedFreeOrder:
         self._len -= n
         self._clock += n
         return out
+
+    def _pop_one_priced(self) -> int:
+        """The head page of the class with the smallest key (one page: no
+        run, so no look at the next class)."""
+        heads, classes, head_key = self._heads, self._classes, self._head_key
+        while True:
+            key, neg = heads[0]
+            off = -neg
+            if head_key.get(off) != key:
+                heappop(heads)                # a class emptied or refiled since
+                continue
+            cls = classes[off]
+            page, base = next(iter(cls.items()))
+            if base + off != key:             # its head was taken by a hit
+                head_key[off] = base + off
+                heapreplace(heads, (base + off, neg))
+                continue
+            del cls[page]
+            if cls:
+                key = next(iter(cls.values())) + off
+                head_key[off] = key
+                heapreplace(heads, (key, neg))
+            else:
+                heappop(heads)
+                del classes[off]
+                del head_key[off]
+            return page
 
     def in_order(self) -> list[int]:
         """Every free page, next handed out first (for tests and vLLM's
