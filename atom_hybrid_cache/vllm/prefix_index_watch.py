@@ -133,33 +133,42 @@ class PrefixIndexWatch:
         watch = self
         cut = -GROUP_ID_BYTES
 
+        # (every page vLLM caches or evicts comes through these two: a
+        # group without a mirror while nothing is logged costs one dict
+        # read, and a page's position is read once)
         def watched_insert(key, block) -> None:
             insert(key, block)
-            h = key[:cut]
             entries = mirrors.get(key[cut:])
+            log = watch.change_log
+            if entries is None and log is None:
+                return
+            h = key[:cut]
+            position = block.block_hash_num_tokens if block.block_hash == key else None
             if entries is not None:
                 if entries is tracked:
-                    track.add(h, _position(block, key))
+                    track.add(h, position)
                 entries[h] = cache[key]   # the block, or vLLM's dict of them
-            log = watch.change_log
             if log is not None:
-                log.append((h, _position(block, key)))
+                log.append((h, position))
 
         def watched_pop(key, block_id):
             popped = pop(key, block_id)
-            if popped is not None:
-                h = key[:cut]
-                entries = mirrors.get(key[cut:])
-                # another page may still be filed under the key: vLLM puts
-                # back the dict of them, the mirror's value already
-                if entries is not None and key not in cache:
-                    del entries[h]
-                    if entries is tracked:
-                        track.remove(h)
-                log = watch.change_log
-                if log is not None:
-                    # vLLM resets the page's hash after the pop: read here
-                    log.append((h, _position(popped, key)))
+            if popped is None:
+                return None
+            entries = mirrors.get(key[cut:])
+            log = watch.change_log
+            if entries is None and log is None:
+                return popped
+            h = key[:cut]
+            # another page may still be filed under the key: vLLM puts back
+            # the dict of them, the mirror's value already
+            if entries is not None and key not in cache:
+                del entries[h]
+                if entries is tracked:
+                    track.remove(h)
+            if log is not None:
+                # vLLM resets the page's hash after the pop: read here
+                log.append((h, popped.block_hash_num_tokens if popped.block_hash == key else None))
             return popped
 
         index_map.insert = watched_insert

@@ -207,3 +207,26 @@ def test_the_state_groups_positions_follow_every_insert_pop_and_reset():
     known.clear()
     file(hashes[7], STATE_GROUP)
     assert watch.positions(STATE_GROUP).order == [position_of[hashes[7]]] == [192]
+
+
+def test_a_pages_second_key_has_no_position():
+    """A page filed under a key not its own (vLLM's second key of a page
+    that already has one) gives that key no position, in the kept positions
+    and in the change log: the page's prefix length is its own key's."""
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=64)
+    watch = prefix_index_watch.of_pool(pool)
+    watch.positions(STATE_GROUP)
+    index_map = watch.current()
+    own, second = (make_block_hash_with_group_id(bytes([i]) * 32, STATE_GROUP) for i in (1, 2))
+    block = pool.get_new_blocks(1)[0]
+    block.set_block_hash(own, num_tokens=128)
+    watch.change_log = log = []
+    index_map.insert(own, block)
+    index_map.insert(second, block)
+    kept = watch.positions(STATE_GROUP)
+    assert (kept.order, kept.unknown) == ([128], 1)
+    assert log == [(bytes([1]) * 32, 128), (bytes([2]) * 32, None)]
+    assert index_map.pop(second, block.block_id) is block
+    assert index_map.pop(own, block.block_id) is block
+    assert log[2:] == [(bytes([2]) * 32, None), (bytes([1]) * 32, 128)]
+    assert (watch.positions(STATE_GROUP).order, watch.positions(STATE_GROUP).unknown) == ([], 0)
