@@ -221,6 +221,20 @@ POLICIES: dict[str, Policy] = {
     # the same with the unit the plugin asked for before 2026-12-02:
     # gcd(64, 400) = 16
     "plugin-default-block-unit16": Policy("plugin-default-block-unit16", None, 16, plugin=True),
+    # the default with one of its admission parts off (what each costs where
+    # it buys little: BENCHMARKS.md, "What each part costs on the Mooncake
+    # class"), and with all three off
+    "plugin-default-block-ungated": Policy("plugin-default-block-ungated", None, 50, plugin=True,
+                                           env=(("ATOM_ADMISSION_GATE", "off"),)),
+    "plugin-default-block-no-floor": Policy("plugin-default-block-no-floor", None, 50,
+                                            plugin=True,
+                                            env=(("ATOM_STATE_CHECKPOINT_FLOOR", ""),)),
+    "plugin-default-block-fifo": Policy("plugin-default-block-fifo", None, 50, plugin=True,
+                                        env=(("ATOM_EVICTION_PRICE_WEIGHT", "0"),)),
+    "plugin-default-block-bare": Policy("plugin-default-block-bare", None, 50, plugin=True,
+                                        env=(("ATOM_ADMISSION_GATE", "off"),
+                                             ("ATOM_STATE_CHECKPOINT_FLOOR", ""),
+                                             ("ATOM_EVICTION_PRICE_WEIGHT", "0"))),
 }
 
 

@@ -71,6 +71,9 @@ class PrefixIndexWatch:
         # the one group whose keys' positions are kept, and them
         self._positioned: Optional[int] = None
         self._positions: Optional[KeyPositions] = None
+        # counts the wraps: the mirrors and positions a reader took stand
+        # while it is unchanged (a new group's mirror joins the same dict)
+        self.generation = 0
 
     def current(self):
         """The index map as watched now (wrapped again after a reset)."""
@@ -117,6 +120,7 @@ class PrefixIndexWatch:
         return self.mirror(group_id) if group_id in self._suffixes else None
 
     def _wrap(self, index_map) -> None:
+        self.generation += 1
         cache = self._index_dict = private_api.prefix_index(self.pool)
         if cache is None:
             self._suffixes = {}   # no mirror (`mirror` answers None)

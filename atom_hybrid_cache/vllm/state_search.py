@@ -25,6 +25,23 @@ class StateSearch:
         # reads use
         self.hashes = StateHashes(pool, self.groups[0])
         self._watch = self.hashes.watch
+        # (the watch's generation, the kept hashes, their positions, the
+        # reader) as last taken: a walk a request (the floors, the release)
+        # then asks the watch one question, not a dozen
+        self._taken: Optional[tuple] = None
+
+    def _kept(self) -> tuple:
+        """(kept hashes or None, their positions or None, the reader) as
+        the watch keeps them now (rewrapped after a reset)."""
+        watch = self._watch
+        watch.current()
+        taken = self._taken
+        if taken is None or taken[0] != watch.generation:
+            # (positions first: their first ask wraps the index again)
+            positions = self.hashes.positions()
+            taken = self._taken = (watch.generation, self.hashes.current(), positions,
+                                   self._reader())
+        return taken[1:]
 
     def states_at(self, block_hashes: Sequence, pos: int) -> Optional[list]:
         """Every state group's page of the state after `pos` tokens of this
@@ -32,7 +49,7 @@ class StateSearch:
         i = pos // self.hash_unit - 1
         if i >= len(block_hashes):
             return None
-        return self._reader()(block_hashes[i], pos)
+        return self._kept()[2](block_hashes[i], pos)
 
     def _reader(self) -> Callable[[object, int], Optional[list]]:
         """(block hash, pos) -> every state group's page of the state after
@@ -70,8 +87,7 @@ class StateSearch:
         after `pos` tokens (one set membership, `StateHashes`) it answers
         None without vLLM's lookup."""
         unit, n = self.hash_unit, len(block_hashes)
-        hashes = self.hashes.current()
-        read = self._reader()
+        hashes, _, read = self._kept()
 
         def state_at(pos: int) -> Optional[list]:
             i = pos // unit - 1
@@ -88,7 +104,7 @@ class StateSearch:
         every hash unit of the page below its top (prompt-end states sit
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
-        kept = self.hashes.positions()
+        kept = self._kept()[1]
         if kept is not None and kept.complete():
             # only the positions where some state sits (prefix_index_watch)
             return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,

@@ -118,3 +118,48 @@ def test_an_anchor_between_pages_is_found_below_its_top():
     # a top more than a page above the anchor sees page boundaries only
     assert [p for p, _ in search.highest_at_or_below(hashes, [8900])] == [8064]
     assert [p for p, _ in search.highest_at_or_below(hashes, [8400, 8900])] == [8384, 8064]
+
+
+def test_one_search_follows_the_pool_through_changes_and_a_reset():
+    """A search keeps what it read of the pool's watcher (its kept hashes,
+    their positions, its reader) from walk to walk: states filed and
+    evicted between walks, and a reset's new index, are each seen by the
+    next walk."""
+    rng = random.Random(11)
+    page = 128
+    hashes = [rng.randbytes(32) for _ in range(60)]
+    pool = BlockPool(num_gpu_blocks=400, enable_caching=True, hash_block_size=H)
+    search = StateSearch(pool, GROUPS, H, page)
+    filed: dict = {}   # position -> the pages of every group
+
+    def file(pos):
+        blocks = pool.get_new_blocks(len(GROUPS))
+        for g, block in zip(GROUPS, blocks):
+            key = make_block_hash_with_group_id(hashes[pos // H - 1], g)
+            block.set_block_hash(key, num_tokens=pos)
+            pool.cached_block_hash_to_block.insert(key, block)
+        filed[pos] = blocks
+
+    def evict(pos):
+        blocks = filed.pop(pos)
+        pool.evict_blocks({b.block_id for b in blocks})
+        pool.free_blocks(blocks)
+
+    tops = [H * len(hashes)]
+    for step in range(300):
+        if filed and rng.random() < 0.4:
+            evict(rng.choice(sorted(filed)))
+        else:
+            pos = H * rng.randint(1, len(hashes))
+            if pos not in filed:
+                file(pos)
+        got = search.highest_at_or_below(hashes, tops, max_pages=64)
+        assert [p for p, _ in got] == stated(tops, set(filed), page, 64), step
+    pool.free_blocks([b for blocks in filed.values() for b in blocks])
+    assert pool.reset_prefix_cache()
+    filed.clear()
+    assert search.highest_at_or_below(hashes, tops, max_pages=64) == []
+    file(5 * page)
+    got = search.highest_at_or_below(hashes, tops, max_pages=64)
+    assert [p for p, _ in got] == [5 * page]
+    assert search.hashes.positions().complete()
