@@ -74,6 +74,9 @@ class PrefixIndexWatch:
         # counts the wraps: the mirrors and positions a reader took stand
         # while it is unchanged (a new group's mirror joins the same dict)
         self.generation = 0
+        # group id -> (generation, what a reader took for it): the readers'
+        # own store (`state_hashes.kept_of_pool`)
+        self.taken: dict = {}
 
     def current(self):
         """The index map as watched now (wrapped again after a reset)."""

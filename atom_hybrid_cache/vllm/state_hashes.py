@@ -44,18 +44,23 @@ class StateHashes:
         return self.watch.kept_positions(self.group_id)
 
 
-def of_pool(pool, group_id: int) -> Optional[KeysView]:
-    """The kept hashes of `group_id`'s states in `pool`, or None where no
-    StateHashes keeps that group's."""
+def kept_of_pool(pool, group_id: int) -> tuple:
+    """(the kept hashes of `group_id`'s states in `pool`, their token
+    positions), each None where none are kept; taken from the pool's
+    watcher once a generation (a lookup asks for them every time)."""
     watch = prefix_index_watch.existing(pool)
-    entries = watch.kept_mirror(group_id) if watch is not None else None
-    return None if entries is None else entries.keys()
-
-
-def positions_of_pool(pool, group_id: int) -> Optional[prefix_index_watch.KeyPositions]:
-    """The token positions of those hashes, or None where none are kept."""
-    watch = prefix_index_watch.existing(pool)
-    return watch.kept_positions(group_id) if watch is not None else None
+    if watch is None:
+        return None, None
+    watch.current()   # rewrapped after a reset: a new generation
+    taken = watch.taken.get(group_id)
+    if taken is not None and taken[0] == watch.generation:
+        return taken[1:]
+    entries = watch.kept_mirror(group_id)
+    if entries is None:
+        return None, None   # (not kept: a later ask may find them kept)
+    kept = (entries.keys(), watch.kept_positions(group_id))
+    watch.taken[group_id] = (watch.generation, *kept)
+    return kept
 
 
 def first_at_or_below(hashes: Container, block_hashes: Sequence, first: int, last: int,

@@ -62,11 +62,10 @@ class AtomStateManager(MambaManager):
                 block_hashes, max_length, kv_cache_group_ids, block_pool, kv_cache_spec,
                 drop_eagle_block, alignment_tokens, dcp_world_size, pcp_world_size)
         top = min(max_length // alignment_tokens, len(block_hashes))
-        hashes = state_hashes.of_pool(block_pool, kv_cache_group_ids[0])
+        hashes, positions = state_hashes.kept_of_pool(block_pool, kv_cache_group_ids[0])
         if hashes is not None:
             # the candidates: the kept hashes at the kept states' positions
             # (state_hashes.py)
-            positions = state_hashes.positions_of_pool(block_pool, kv_cache_group_ids[0])
             i = top - 1
             while i >= 0:
                 i -= first_at_or_below(hashes, block_hashes, i, 0, 1, positions,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable, Optional, Sequence
 
 from ..core.eviction import SEARCH_PAGES, highest_states_at_or_below
+from . import state_hashes
 from .attention_lookup import one_block
 from .state_hashes import StateHashes, first_at_or_below
 
@@ -25,23 +26,19 @@ class StateSearch:
         # reads use
         self.hashes = StateHashes(pool, self.groups[0])
         self._watch = self.hashes.watch
-        # (the watch's generation, the kept hashes, their positions, the
-        # reader) as last taken: a walk a request (the floors, the release)
-        # then asks the watch one question, not a dozen
-        self._taken: Optional[tuple] = None
+        # (the watch's generation, the reader) as last made: a walk a
+        # request (the floors, the release) then asks the watch one
+        # question, not a dozen
+        self._read: Optional[tuple] = None
 
     def _kept(self) -> tuple:
         """(kept hashes or None, their positions or None, the reader) as
         the watch keeps them now (rewrapped after a reset)."""
-        watch = self._watch
-        watch.current()
-        taken = self._taken
-        if taken is None or taken[0] != watch.generation:
-            # (positions first: their first ask wraps the index again)
-            positions = self.hashes.positions()
-            taken = self._taken = (watch.generation, self.hashes.current(), positions,
-                                   self._reader())
-        return taken[1:]
+        hashes, positions = state_hashes.kept_of_pool(self.pool, self.groups[0])
+        made = self._read
+        if made is None or made[0] != self._watch.generation:
+            made = self._read = (self._watch.generation, self._reader())
+        return hashes, positions, made[1]
 
     def states_at(self, block_hashes: Sequence, pos: int) -> Optional[list]:
         """Every state group's page of the state after `pos` tokens of this

@@ -161,5 +161,5 @@ def test_one_search_follows_the_pool_through_changes_and_a_reset():
     assert search.highest_at_or_below(hashes, tops, max_pages=64) == []
     file(5 * page)
     got = search.highest_at_or_below(hashes, tops, max_pages=64)
-    assert [p for p, _ in got] == [5 * page]
+    assert got == [(5 * page, filed[5 * page])]
     assert search.hashes.positions().complete()
