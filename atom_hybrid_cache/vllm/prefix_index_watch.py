@@ -150,7 +150,7 @@ class PrefixIndexWatch:
             if entries is None and log is None:
                 return
             h = key[:cut]
-            position = block.block_hash_num_tokens if block.block_hash == key else None
+            position = _position(block, key)
             if entries is not None:
                 if entries is tracked:
                     track.add(h, position)
@@ -175,7 +175,7 @@ class PrefixIndexWatch:
                     track.remove(h)
             if log is not None:
                 # vLLM resets the page's hash after the pop: read here
-                log.append((h, popped.block_hash_num_tokens if popped.block_hash == key else None))
+                log.append((h, _position(popped, key)))
             return popped
 
         index_map.insert = watched_insert
