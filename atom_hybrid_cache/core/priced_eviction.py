@@ -195,8 +195,14 @@ class PricedFreeOrder:
             raise ValueError(f"{n} pages asked for, {self._len} free")
         front = self._front
         if n == 1:
-            # (vLLM's state groups ask for one page at a time: most calls)
-            page = front.popitem(last=False)[0] if front else self._pop_one_priced()
+            # (vLLM's state groups ask for one page at a time: most calls;
+            # one page is no run, so no look at the next class)
+            if front:
+                page = front.popitem(last=False)[0]
+            else:
+                off, neg, cls = self._head_class()
+                page = cls.popitem(last=False)[0]
+                self._refile(off, neg, cls)
             self._where[page] = None
             self.price[page] = 0.0
             self._len -= 1
@@ -205,19 +211,9 @@ class PricedFreeOrder:
         out: list[int] = []
         while front and len(out) < n:
             out.append(front.popitem(last=False)[0])
-        heads, classes, head_key = self._heads, self._classes, self._head_key
+        heads = self._heads
         while len(out) < n:
-            key, neg = heads[0]
-            off = -neg
-            if head_key.get(off) != key:
-                heappop(heads)                # a class emptied or refiled since
-                continue
-            cls = classes[off]
-            base = next(iter(cls.values()))
-            if base + off != key:             # its head was taken by a hit
-                head_key[off] = base + off
-                heapreplace(heads, (base + off, neg))
-                continue
+            off, neg, cls = self._head_class()
             # a run from this class while it stays at or below the next
             # class's head, the least of the root's children (a stale entry
             # there only ends the run early): the last base that may go
@@ -237,14 +233,7 @@ class PricedFreeOrder:
                     cls.move_to_end(page, last=False)
                     break
                 out.append(page)
-            if cls:
-                key = next(iter(cls.values())) + off
-                head_key[off] = key
-                heapreplace(heads, (key, neg))
-            else:
-                heappop(heads)
-                del classes[off]
-                del head_key[off]
+            self._refile(off, neg, cls)
         where, price = self._where, self.price
         for p in out:
             where[p] = None
@@ -253,32 +242,35 @@ class PricedFreeOrder:
         self._clock += n
         return out
 
-    def _pop_one_priced(self) -> int:
-        """The head page of the class with the smallest key (one page: no
-        run, so no look at the next class)."""
+    def _head_class(self) -> tuple:
+        """(offset, its heap sign, the class) with the smallest key, its
+        entry at the heap's root; stale entries on the way dropped (a class
+        emptied or refiled since) or refiled (its head taken by a hit)."""
         heads, classes, head_key = self._heads, self._classes, self._head_key
         while True:
             key, neg = heads[0]
             off = -neg
             if head_key.get(off) != key:
-                heappop(heads)                # a class emptied or refiled since
+                heappop(heads)
                 continue
             cls = classes[off]
-            page, base = next(iter(cls.items()))
-            if base + off != key:             # its head was taken by a hit
-                head_key[off] = base + off
-                heapreplace(heads, (base + off, neg))
-                continue
-            del cls[page]
-            if cls:
-                key = next(iter(cls.values())) + off
-                head_key[off] = key
-                heapreplace(heads, (key, neg))
-            else:
-                heappop(heads)
-                del classes[off]
-                del head_key[off]
-            return page
+            base = next(iter(cls.values()))
+            if base + off == key:
+                return off, neg, cls
+            head_key[off] = base + off
+            heapreplace(heads, (base + off, neg))
+
+    def _refile(self, off: int, neg: int, cls: OrderedDict) -> None:
+        """The root entry of class `off` after pages left its front: at its
+        new head's key, or gone with the class."""
+        if cls:
+            key = next(iter(cls.values())) + off
+            self._head_key[off] = key
+            heapreplace(self._heads, (key, neg))
+        else:
+            heappop(self._heads)
+            del self._classes[off]
+            del self._head_key[off]
 
     def in_order(self) -> list[int]:
         """Every free page, next handed out first (for tests and vLLM's
