@@ -78,13 +78,15 @@ class StateSearch:
             return out
         return read
 
-    def probe(self, block_hashes: Sequence) -> Callable[[int], Optional[list]]:
+    def probe(self, block_hashes: Sequence, kept: Optional[tuple] = None
+              ) -> Callable[[int], Optional[list]]:
         """`states_at` for this prefix as one call a position, behind a cheap
         filter: where the first state group certainly indexes no state
         after `pos` tokens (one set membership, `StateHashes`) it answers
-        None without vLLM's lookup."""
+        None without vLLM's lookup. `kept`: `_kept()`'s answer, if the
+        caller took it already."""
         unit, n = self.hash_unit, len(block_hashes)
-        hashes, _, read = self._kept()
+        hashes, _, read = kept if kept is not None else self._kept()
 
         def state_at(pos: int) -> Optional[list]:
             i = pos // unit - 1
@@ -101,15 +103,15 @@ class StateSearch:
         every hash unit of the page below its top (prompt-end states sit
         between pages), then at page boundaries only (where chunk ends put
         most other states), at most `max_pages` pages down."""
-        kept = self._kept()[1]
-        if kept is not None and kept.complete():
+        taken = self._kept()
+        state_at = self.probe(block_hashes, taken)
+        positions = taken[1]
+        if positions is not None and positions.complete():
             # only the positions where some state sits (prefix_index_watch)
             return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
-                                              self.probe(block_hashes),
-                                              kept_positions=kept.order)
+                                              state_at, kept_positions=positions.order)
         return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
-                                          self.probe(block_hashes),
-                                          self._first_candidate(block_hashes))
+                                          state_at, self._first_candidate(block_hashes))
 
     def _first_candidate(self, block_hashes: Sequence):
         """`probe`'s filter over a descending range of positions at once
