@@ -111,14 +111,14 @@ class StateSearch:
             return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
                                               state_at, kept_positions=positions.order)
         return highest_states_at_or_below(tops, self.hash_unit, self.page, max_pages,
-                                          state_at, self._first_candidate(block_hashes))
+                                          state_at, self._first_candidate(block_hashes, taken[0]))
 
-    def _first_candidate(self, block_hashes: Sequence):
+    def _first_candidate(self, block_hashes: Sequence, hashes):
         """`probe`'s filter over a descending range of positions at once
         (core.eviction.highest_states_at_or_below's `first_candidate`), run
-        in C (`first_at_or_below`); None where it cannot run."""
+        in C (`first_at_or_below`); None where it cannot run. `hashes`: the
+        kept hashes the walk took (`_kept`)."""
         unit = self.hash_unit
-        hashes = self.hashes.current()
         if hashes is None or self.page % unit:
             return None
 
