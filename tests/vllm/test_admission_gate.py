@@ -287,3 +287,59 @@ def test_the_running_reserve_counts_prefills_only():
     groups = _page_groups([state, kv])
     assert _running_reserve([state, kv], groups, [prefill]) == 10
     assert _running_reserve([state, kv], groups, [prefill, decode]) == 10
+
+
+def _serve_after_interior_traffic(make_plugin_scheduler, monkeypatch, watch: str):
+    """The same round after 65 prompts, one at a time, that share a 128-token
+    prefix and resend none: the resend watch idles the gate, the floors and
+    the prices (ATOM_RESEND_WATCH=1, the default) or not (0)."""
+    monkeypatch.setenv("ATOM_ADMISSION_GATE", "on")
+    monkeypatch.setenv("ATOM_EVICTION_PRICE_WEIGHT", "0.25")
+    monkeypatch.setenv("ATOM_RESEND_WATCH", watch)
+    sched, submit, step = make_plugin_scheduler()
+    rng = random.Random(5)
+    shared = [rng.randrange(1, 30000) for _ in range(128)]
+    for i in range(65):
+        prompt = shared + [rng.randrange(1, 30000) for _ in range(200)]
+        _round(sched, submit, step, {f"x{i}": prompt})
+    a = [rng.randrange(1, 30000) for _ in range(PROMPT + 1)]
+    b = [rng.randrange(1, 30000) for _ in range(PROMPT + 1)]
+    _round(sched, submit, step, {"a1": a})
+    _round(sched, submit, step, {"b1": b})
+    a2 = a + [7] + [rng.randrange(1, 30000) for _ in range(A_NEW)]
+    b2 = b + [7] + [rng.randrange(1, 30000) for _ in range(B_NEW)]
+    return sched, _round(sched, submit, step, {"a2": a2, "b2": b2})
+
+
+def test_without_resends_the_prices_idle_and_a_small_pools_gate_holds(
+        make_plugin_scheduler, monkeypatch, caplog):
+    """This pool is under the line (30 checkpoints' worth a slot): the gate
+    keeps holding without resends (it keeps a small pool from thrashing);
+    the priced queue gives vLLM's back."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="atom_hybrid_cache"):
+        sched, (cached, order) = _serve_after_interior_traffic(make_plugin_scheduler,
+                                                               monkeypatch, "1")
+    assert sched.atom.planner.policy.parts_idle and not sched.atom.planner.policy.gate_idle
+    assert order == ["b2", "a2"] and cached["b2"] == PROMPT
+    stats = sched.atom.planner.stats
+    assert stats.gate_held_steps == 1 and stats.gate_idle_steps == 0
+    assert ("0 of the last 64 prompts that share a prefix with an earlier one resend an earlier "
+            "prompt whole: the admission gate, floor states and priced eviction idle until 32 "
+            "do (ATOM_RESEND_WATCH=0 keeps them on)") in caplog.text
+    assert "priced eviction idles: vLLM's free queue again" in caplog.text
+    pool = sched.kv_cache_manager.block_pool
+    assert type(pool.free_block_queue).__name__ == "FreeKVCacheBlockQueue"
+    assert sched.atom.priced_queue is None
+    assert pool.get_num_free_blocks() == pool.num_gpu_blocks - 1
+
+
+def test_with_the_watch_off_the_gate_holds_after_the_same_traffic(make_plugin_scheduler,
+                                                                  monkeypatch):
+    sched, (cached, order) = _serve_after_interior_traffic(make_plugin_scheduler,
+                                                           monkeypatch, "0")
+    assert not sched.atom.planner.policy.parts_idle
+    assert order == ["b2", "a2"] and cached["b2"] == PROMPT
+    assert sched.atom.planner.stats.gate_idle_steps == 0
+    assert type(sched.kv_cache_manager.block_pool.free_block_queue).__name__ == \
+        "PricedFreeBlockQueue"
