@@ -94,9 +94,6 @@ class PlacementConfig:
     # are its turns' anchors, near the top.
     cold_fractions: tuple = ()
     span_fractions: tuple = ()
-    # the admission gate, floors and priced eviction idle while no prompt
-    # resends an earlier one (core/resend_watch.py)
-    resend_watch: bool = True
     # protected anchors/cut checkpoints per request slot (max_num_seqs).
     protected_per_seq: int = 7
     # clients rewrite the last 1-3 blocks of 64 tokens now and then: a long
@@ -244,13 +241,6 @@ ENV_VARS: dict[str, tuple[str, str, Callable, str]] = {
         "its pages stays this many times the pool's pages longer in the free queue, a cheaper "
         "unit in proportion; 0: vLLM's FIFO order; auto (the default): 0.25 where a request "
         "slot's share of the pool holds fewer than 32 checkpoints' worth, else 0"),
-    "ATOM_RESEND_WATCH": (
-        "placement", "resend_watch", _parse_switch,
-        "1 (the default): while fewer than 16 of the last 64 prompts that share a prefix with "
-        "an earlier prompt resend an earlier prompt whole (shared system prompts or documents, "
-        "no conversations resumed), the admission gate, floor states and priced eviction idle, "
-        "whatever their settings; they run again from 32 of 64; 0: they follow their settings "
-        "always"),
     "ATOM_STATE_CHECKPOINT_ANCHOR_MARGIN": (
         "placement", "anchor_margin_tokens", _parse_int,
         "tokens at a prompt's end assumed to change when the client appends"),

@@ -235,10 +235,6 @@ POLICIES: dict[str, Policy] = {
                                         env=(("ATOM_ADMISSION_GATE", "off"),
                                              ("ATOM_STATE_CHECKPOINT_FLOOR", ""),
                                              ("ATOM_EVICTION_PRICE_WEIGHT", "0"))),
-    # the default without the resend watch (the three parts run whatever
-    # the traffic: the default before 2026-12-07)
-    "plugin-default-block-unwatched": Policy("plugin-default-block-unwatched", None, 50,
-                                             plugin=True, env=(("ATOM_RESEND_WATCH", "0"),)),
 }
 
 

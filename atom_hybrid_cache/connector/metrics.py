@@ -49,9 +49,6 @@ COUNTERS = {
                         "back."),
     "gate_holds": ("vllm:atom_admission_gate_holds",
                    "Waiting requests the admission gate held back, summed over steps."),
-    "gate_idle_steps": ("vllm:atom_admission_gate_idle_steps",
-                        "Scheduler steps in which the admission gate, floor states and priced "
-                        "eviction idled: no prompt resends an earlier one (ATOM_RESEND_WATCH)."),
     "interior_writes": ("vllm:atom_checkpoints_written_inside_forward",
                         "Planned checkpoints written from inside a prefill forward "
                         "(ATOM_INTERIOR_CHECKPOINTS=on)."),

@@ -116,13 +116,6 @@ class GateSteps:
     def forget_lookups(self) -> None:
         self._lookups = {}
 
-    def skip(self) -> None:
-        """A step the gate idles through (`policy.parts_idle`): vLLM's
-        admission, so nothing it remembered stands after it, and the holds
-        count afresh when it runs again."""
-        self._lookups, self._holds, self._stalled = {}, {}, False
-        self.stats.gate_idle_steps += 1
-
     def decide(self, candidates: Sequence[GateLookup], free_pages: int, running_reserve: int,
                token_budget: int, anything_running: bool, max_hold_steps: int,
                key: Callable = lambda p: p) -> GateDecision:

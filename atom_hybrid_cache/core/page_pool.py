@@ -89,17 +89,12 @@ class PagePool:
 
     def set_price_weight(self, weight: float) -> None:
         """The priced order's weight from now on. A FIFO turns priced at
-        the first weight > 0, its free pages first in their order, and a
-        priced order at weight 0 turns back into a FIFO of its free pages in
-        its order, as `vllm/priced_free_queue.queue_at_weight` turns vLLM's
-        queue."""
-        if weight > 0:
-            if self.priced_order:
-                self.free_order.weight = weight
-            else:
-                self.free_order = PricedFreeOrder(self.num_pages, list(self.free_order), weight)
-        elif self.priced_order:
-            self.free_order = FifoFreeOrder((p, None) for p in self.free_order.in_order())
+        the first weight > 0, its free pages first in their order, as
+        `vllm/priced_free_queue.install` turns vLLM's queue."""
+        if self.priced_order:
+            self.free_order.weight = weight
+        elif weight > 0:
+            self.free_order = PricedFreeOrder(self.num_pages, list(self.free_order), weight)
 
     @property
     def num_free(self) -> int:

@@ -128,8 +128,6 @@ class CheckpointPlanner:
         `kv_reach` how far its KV prefix alone reaches."""
         B = self.block_size
         unit = self.hash_unit
-        if self.plans.get(request_id) is None:
-            self.policy.observe_prompt(block_hashes, min(len(block_hashes), prompt_len // unit))
         cap = min(len(block_hashes), (prompt_len - 1) // unit)
         reusable = max(self.oracle.reach(block_hashes, cap, hit // unit) * unit, kv_reach)
         targets = self.policy.plan(prompt_len, hit=hit, kv_reach=kv_reach // B * B,

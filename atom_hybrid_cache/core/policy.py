@@ -21,7 +21,6 @@ from .placement import CheckpointTargets, plan_checkpoints, snap_interval
 from .pool_budget import (FLOOR_FADE_CHECKPOINTS, MIN_SLOT_CHECKPOINTS, RELEASE_OWN_STATES,
                           affords_retained, floor_scale, pool_checkpoints)
 from .priced_eviction import PRICE_FADE_END_CHECKPOINTS, resolved_weight
-from .resend_watch import ResendWatch
 from .slot_share import SlotShare
 
 
@@ -44,10 +43,6 @@ class CheckpointPolicy:
         self.checkpointing = self.interval != 0
         self.reuse_aware = placement.eviction == "reuse-aware"
         self._budget_warn = budget_warn or warn
-        # the admission parts idle where no prompt resends an earlier one
-        # (`resend_watch`); a flip is acted on at the next step's sizing
-        self.resend_watch = ResendWatch() if placement.resend_watch else None
-        self._watch_flipped = False
         self._fit()
         if share.under_line:
             self._say_dropped(share.describe())
@@ -65,30 +60,10 @@ class CheckpointPolicy:
         placement = self.configured
         if under:
             placement = dataclasses.replace(placement, cold_fractions=())
-        self.placement = dataclasses.replace(placement, eviction_price_weight=self._weight())
+        weight = resolved_weight(placement.eviction_price_weight, self.share.tokens,
+                                 self.share.checkpoint_kv_tokens) if self.reuse_aware else 0.0
+        self.placement = dataclasses.replace(placement, eviction_price_weight=weight)
         self._size_floors()
-
-    @property
-    def parts_idle(self) -> bool:
-        """Whether the admission gate, the floors and priced eviction idle
-        (no prompt resends an earlier one: `resend_watch`)."""
-        return self.resend_watch is not None and self.resend_watch.idle
-
-    @property
-    def gate_idle(self) -> bool:
-        """Whether the admission gate idles: no prompt resends an earlier
-        one and a request slot's share is above the line. Under it the
-        gate also keeps a small pool from thrashing (it holds a prefill
-        that does not fit beside the running requests' reserve), whatever
-        the traffic: measured on the Mooncake trace at 8 GiB, idling it
-        there nearly doubled the preemptions."""
-        return self.parts_idle and not self.share.under_line
-
-    def _weight(self) -> float:
-        if not self.reuse_aware or self.parts_idle:
-            return 0.0
-        return resolved_weight(self.configured.eviction_price_weight, self.share.tokens,
-                               self.share.checkpoint_kv_tokens)
 
     def _size_floors(self) -> None:
         # the floors' pool share at the share now; where it holds no whole
@@ -98,7 +73,7 @@ class CheckpointPolicy:
         self.floor_scale = floor_scale(share.tokens, share.checkpoint_kv_tokens)
         room = (pool_checkpoints(share.pool_kv_tokens, share.checkpoint_kv_tokens)
                 * FLOOR_MAX_POOL_SHARE * self.floor_scale)
-        on = (room >= 1 or not share.checkpoint_kv_tokens) and not self.parts_idle
+        on = room >= 1 or not share.checkpoint_kv_tokens
         self.floor_fractions = self.configured_floor_fractions if on else ()
 
     def floor_max_pages(self, num_pages: int) -> int:
@@ -141,32 +116,20 @@ class CheckpointPolicy:
         if dropped:
             self._budget_warn(f"{' and '.join(dropped)} off: {why}")
 
-    def observe_prompt(self, block_hashes, units: int) -> None:
-        """A prompt of `units` whole hash units is planned for the first
-        time (`CheckpointPlanner.plan`): the resend watch counts it."""
-        if self.resend_watch is not None and self.resend_watch.observe(block_hashes, units):
-            self._watch_flipped = True
-
     def observe_in_flight(self, in_flight: int) -> bool:
         """Before a scheduler step, `in_flight` requests (running and
         waiting) share the pool: whether what the share sizes changed (the
         floors' pool share, `floor_max_pages`, and auto's price weight as
         the share shrinks toward the line; the placement, floors and price
         weight where it just fell under the line, which the log says
-        once; the floors and price weight where the resend watch flipped
-        since the last step, which the log says)."""
-        flipped, self._watch_flipped = self._watch_flipped, False
-        if not self.share.observe(in_flight) and not flipped:
+        once)."""
+        if not self.share.observe(in_flight):
             return False
         # (what the last sizing saw: nothing more on the steps that change nothing)
         was_under, was_scale = self._sized_under, self.floor_scale
-        fell_under = self.share.under_line and not was_under
-        if fell_under or flipped:
+        if self.share.under_line and not was_under:
             self._fit()
-            if fell_under:
-                self._say_dropped(self.share.describe())
-            if flipped:
-                self._say_watch()
+            self._say_dropped(self.share.describe())
             return True
         self._size_floors()
         return self._refit_weight() or self.floor_scale != was_scale
@@ -176,21 +139,12 @@ class CheckpointPolicy:
         # steps that move the share within the fade move it
         if not self.reuse_aware:
             return False
-        weight = self._weight()
+        weight = resolved_weight(self.configured.eviction_price_weight, self.share.tokens,
+                                 self.share.checkpoint_kv_tokens)
         if weight == self.placement.eviction_price_weight:
             return False
         self.placement = dataclasses.replace(self.placement, eviction_price_weight=weight)
         return True
-
-    def _say_watch(self) -> None:
-        watch = self.resend_watch
-        if watch.idle:
-            self._budget_warn(f"{watch.describe()}: the admission gate, floor states and priced "
-                       f"eviction idle until {watch.run_from} do (ATOM_RESEND_WATCH=0 "
-                       f"keeps them on)")
-        else:
-            self._budget_warn(f"{watch.describe()}: the admission gate, floor states and priced "
-                       f"eviction run again")
 
     def describe_share(self) -> str:
         """The start-up log's account of what follows the requests in

@@ -64,9 +64,6 @@ class SharedPoolWindow:
             window = waiting[:max(0, limit)]
         if self.gate is None:
             return []
-        if self.manager.policy.gate_idle:
-            self.gate.skip()
-            return []
         # (the gate forgets its remembered lookups at every step it is asked)
         remembered = self.gate.begin()
         if remembered is None or not window:

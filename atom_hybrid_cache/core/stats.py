@@ -63,9 +63,6 @@ class CacheStats:
     gate_held_steps: int = 0
     gate_holds: int = 0
     gate_longest_hold: int = 0
-    # steps the gate idled through: no prompt resends an earlier one
-    # (core/resend_watch.py; the floors and prices idle with it)
-    gate_idle_steps: int = 0
 
     def record_admission(self, prompt_len: int, reusable: int, kv_reach: int,
                          wanted: int, cached: int) -> None:
@@ -209,9 +206,8 @@ def format_shared_pool_lines(stats: CacheStats, pool: dict, gate_on: bool) -> li
 
 def format_gate_line(stats: CacheStats) -> str:
     """The admission gate's log line (a vLLM server with the gate on)."""
-    line = (f"[Admission Gate] held_steps={stats.gate_held_steps} holds={stats.gate_holds} "
+    return (f"[Admission Gate] held_steps={stats.gate_held_steps} holds={stats.gate_holds} "
             f"longest_hold={stats.gate_longest_hold}")
-    return line + (f" idle_steps={stats.gate_idle_steps}" if stats.gate_idle_steps else "")
 
 
 # -- counters as deltas (what the vLLM adapter sends to /metrics) ---------

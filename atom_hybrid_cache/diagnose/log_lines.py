@@ -15,8 +15,7 @@ silently, and prints the same first three lines, then::
 
     [Shared Pool] pages=1413 used=1200 free=213 states_written=1500 states_read=1150
     [Checkpoint Kinds] ...
-    [Admission Gate] held_steps=12 holds=30 longest_hold=4      (with the gate on;
-                     idle_steps=N where the resend watch idled it)
+    [Admission Gate] held_steps=12 holds=30 longest_hold=4      (with the gate on)
 
 Any prefix before a tag (vLLM's ``INFO 11-29 14:00:00 [file.py:12]``) is
 ignored.

@@ -51,8 +51,6 @@ def diagnose_shared_pool(s: dict) -> Diagnosis:
     if gate is not None:
         lines.append(f"the admission gate held {count(gate.get('holds', 0))} waiting requests "
                      f"over {count(gate.get('held_steps', 0))} steps (longest hold "
-                     f"{count(gate.get('longest_hold', 0))} steps)"
-                     + (f"; it idled {count(gate['idle_steps'])} steps, where no prompt resent "
-                        f"an earlier one (ATOM_RESEND_WATCH)" if gate.get("idle_steps") else ""))
+                     f"{count(gate.get('longest_hold', 0))} steps)")
     lines += detail_lines(s)
     return Diagnosis(binds, ceiling, None, lines, s, "plugin")

@@ -18,8 +18,7 @@ def size_share(sched, parts) -> None:
     (`core.slot_share`): the floors' pool share follows it, and where it
     just fell under the line and the policy now prices, vLLM's free queue
     turns priced (a pool that never falls under keeps vLLM's own queue, and
-    its speed); where the resend watch idled the prices it is vLLM's own
-    again (`core.resend_watch`)."""
+    its speed)."""
     policy = parts.planner.policy
     if not policy.observe_in_flight(len(sched.running) + len(sched.waiting)):
         return

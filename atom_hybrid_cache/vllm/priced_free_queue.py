@@ -23,13 +23,10 @@ logger = logging.getLogger("atom_hybrid_cache")
 
 
 class PricedFreeBlockQueue:
-    def __init__(self, blocks: list, free_blocks: Sequence, weight: float,
-                 replaced: type = None) -> None:
+    def __init__(self, blocks: list, free_blocks: Sequence, weight: float) -> None:
         """`blocks`: the pool's blocks, by id; `free_blocks`: vLLM's queue's
-        blocks at the swap, in its order (handed out first, in that order);
-        `replaced`: vLLM's queue class, built again where the prices stop."""
+        blocks at the swap, in its order (handed out first, in that order)."""
         self._blocks = blocks
-        self.replaced = replaced
         for b in free_blocks:
             b.prev_free_block = b.next_free_block = None
         self.order = PricedFreeOrder(len(blocks), [b.block_id for b in free_blocks], weight)
@@ -96,8 +93,7 @@ def install_priced_queue(pool, setting: Optional[float], page_tokens: int,
     if weight_now is None:
         weight_now = setting or 0.0
     weight_pages = pages_per_token(weight_now, pool.num_gpu_blocks, page_tokens)
-    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(), weight_pages,
-                                  type(queue))
+    priced = PricedFreeBlockQueue(pool.blocks, queue.get_all_free_blocks(), weight_pages)
     pool.free_block_queue = priced
     logger.info("atom_hybrid_cache: priced eviction: a freed unit whose loss would cost a "
                 "resume every token of its pages stays %g pages (%g x the pool, at the share now) "
@@ -116,18 +112,12 @@ def queue_at_weight(pool, policy, queue: Optional[PricedFreeBlockQueue]
     """The free queue for `policy`'s price weight now (`queue`: the priced
     one installed before, or None): vLLM's own while the weight is 0, the
     priced one from the first weight > 0 on (at set-up, or at the step
-    whose requests in flight price it), its weight following the policy's;
-    vLLM's own again, its free blocks in the priced order, where the weight
-    falls to 0 (the resend watch idles the prices: `core.resend_watch`)."""
+    whose requests in flight price it), its weight following the policy's."""
     weight = policy.eviction_price_weight
     if queue is None:
         if weight <= 0:
             return None
         return install_priced_queue(pool, policy.configured.eviction_price_weight,
                                     policy.block_size, weight)
-    if weight <= 0:
-        pool.free_block_queue = queue.replaced(queue.get_all_free_blocks())
-        logger.info("atom_hybrid_cache: priced eviction idles: vLLM's free queue again")
-        return None
     queue.order.weight = pages_per_token(weight, pool.num_gpu_blocks, policy.block_size)
     return queue

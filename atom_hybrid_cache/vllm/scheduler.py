@@ -92,12 +92,7 @@ class AtomSchedulerMixin:
             order_waiting(self, parts.passed_over, hits)
         if parts.store is not None:
             parts.store.open_step()
-        gated = None
-        if gate is not None:
-            if parts.planner is not None and parts.planner.policy.gate_idle:
-                gate.steps.skip()
-            else:
-                gated = gate.open(self, hits)
+        gated = gate.open(self, hits) if gate is not None else None
         out = None
         try:
             out = super().schedule(*args, **kwargs)

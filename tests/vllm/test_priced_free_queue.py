@@ -16,8 +16,8 @@ pytest.importorskip("vllm")
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id  # noqa: E402
 
-from atom_hybrid_cache.core.page_pool import FifoFreeOrder, PagePool  # noqa: E402
-from atom_hybrid_cache.vllm.priced_free_queue import PricedFreeBlockQueue, queue_at_weight  # noqa: E402
+from atom_hybrid_cache.core.page_pool import PagePool  # noqa: E402
+from atom_hybrid_cache.vllm.priced_free_queue import PricedFreeBlockQueue  # noqa: E402
 from atom_hybrid_cache.vllm.priced_free_queue import install_priced_queue as _priced_queue  # noqa: E402
 
 N = 40
@@ -130,43 +130,3 @@ def test_the_queue_answers_vllms_other_calls():
     queue.popleft_n(7)
     with pytest.raises(ValueError):
         queue.popleft()
-
-
-class _Policy:
-    """What `queue_at_weight` reads of the policy."""
-
-    def __init__(self, weight: float) -> None:
-        self.eviction_price_weight = weight
-        self.configured = self
-        self.block_size = N
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_weight_zero_mid_run_gives_vllms_queue_back_in_the_priced_order(seed):
-    """The resend watch idles the prices mid-run (`core.resend_watch`): vLLM's
-    own queue comes back with the free blocks in the priced order and their
-    hashes, and from there vLLM's pool and the planner's, turned at the same
-    call, hand out the same blocks; a run that stays priced hands out others."""
-    pool = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
-    pages = PagePool(N, price_weight=1.0)
-    queue = queue_at_weight(pool, _Policy(1.0), None)
-    assert isinstance(queue, PricedFreeBlockQueue)
-    seen = {}
-
-    def idle():
-        before = [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
-        cached = {b: pool.blocks[b].block_hash for b in before
-                  if pool.blocks[b].block_hash is not None}
-        assert queue_at_weight(pool, _Policy(0.0), queue) is None
-        pages.set_price_weight(0.0)
-        assert type(pool.free_block_queue).__name__ == "FreeKVCacheBlockQueue"
-        assert isinstance(pages.free_order, FifoFreeOrder)
-        assert [b.block_id for b in pool.free_block_queue.get_all_free_blocks()] == before
-        assert {b: pool.blocks[b].block_hash for b in cached} == cached
-        seen.update(cached=len(cached))
-    late = _replay(seed, pool, pages, swap_at=150, swap=idle)
-    assert seen["cached"] > 0
-    still = BlockPool(num_gpu_blocks=N, enable_caching=True, hash_block_size=16)
-    queue_at_weight(still, _Policy(1.0), None)
-    priced = _replay(seed, still, PagePool(N, price_weight=1.0))
-    assert late[:len(late) // 4] == priced[:len(late) // 4] and late != priced
