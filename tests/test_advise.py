@@ -9,10 +9,10 @@ import pytest
 
 from atom_hybrid_cache.cli import add_advise_arguments, main
 from atom_hybrid_cache.config import load_settings, server_defaults
-from atom_hybrid_cache.replay.advise import (NativeOutcome, Outcome, advise, choose, native_wins,
-                                             split_halves)
-from atom_hybrid_cache.replay.advise_grid import (PAGE_UNIT, PLUGIN_HASH_UNIT, SERVER_AXES,
-                                                  Candidate, combinations, env_var,
+from atom_hybrid_cache.replay.advise import (NativeOutcome, Outcome, advise, choose,
+                                             lighter_of, native_wins, split_halves)
+from atom_hybrid_cache.replay.advise_grid import (LIGHTER_ENV, PAGE_UNIT, PLUGIN_HASH_UNIT,
+                                                  SERVER_AXES, Candidate, combinations, env_var,
                                                   format_value, grid)
 from atom_hybrid_cache.replay.advise_output import format_advice, serve_line
 from atom_hybrid_cache.replay.geometry import geometry_from_args
@@ -130,6 +130,43 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
     assert a.native_better is None
     assert "the page (448 tokens, vLLM's default)  74.77%  0.9644    0.9577-0.9881  -0.0240" in text
     assert "64 tokens (--prefix-match-unit 64)     75.33%  0.9716    0.9640-0.9986  -0.0184" in text
+    # a pool this size (40 GiB, 4 in flight) needs none of the gate, the
+    # floors and the prices: the same hit to the token without them, said
+    # with its serve line
+    assert a.lighter.candidate == Candidate(PLUGIN_HASH_UNIT, LIGHTER_ENV)
+    assert (a.lighter.full, a.lighter.halves) == (a.default.full, a.default.halves)
+    lines = text.splitlines()
+    i = lines.index(next(x for x in lines if x.startswith("lighter:")))
+    assert lines[i:i + 3] == [
+        "lighter: the same without the admission gate, the floor states and priced eviction "
+        "(+0.0000 of prompt tokens, not beaten on both halves): here they buy no hit and still "
+        "cost scheduler step time (BENCHMARKS.md, \"What each admission part costs\")",
+        "  expect 77.17% of prompt tokens, 0.9954 of the ceiling (band 0.9945-0.9986 over the "
+        "halves)",
+        "  VLLM_PLUGINS=atom_hybrid_cache ATOM_ADMISSION_GATE=off ATOM_STATE_CHECKPOINT_FLOOR='' "
+        "ATOM_EVICTION_PRICE_WEIGHT=0 vllm serve Qwen/Qwen3.5-27B --enable-prefix-caching"]
+
+
+def test_the_lighter_line_needs_the_same_hit_on_both_halves():
+    """The recommendation without the gate, floors and prices is named
+    only where the recommendation does not beat it by the rule a candidate
+    beats the defaults by; not where it has them off already, nor where the
+    planner did not run that variant."""
+    d = Candidate(PLUGIN_HASH_UNIT)
+    light = Candidate(PLUGIN_HASH_UNIT, LIGHTER_ENV)
+    rec = outcome(d, 0.90, (0.90, 0.90))
+    # a loss under MIN_GAIN (0.001), or one the halves do not both show: light
+    for full, halves in ((0.8995, (0.8995, 0.8995)), (0.89, (0.92, 0.86))):
+        assert lighter_of(rec, [rec, outcome(light, full, halves)]).candidate == light
+    # beaten on both halves by 0.01: the parts buy hit here, no lighter line
+    assert lighter_of(rec, [rec, outcome(light, 0.89, (0.89, 0.89))]) is None
+    # the variables in another order are the same settings
+    shuffled = Candidate(PLUGIN_HASH_UNIT, LIGHTER_ENV[::-1])
+    assert lighter_of(rec, [outcome(shuffled, 0.90, (0.9, 0.9))]).candidate == shuffled
+    # already light, or the variant not run (hits first runs on the best alone)
+    assert lighter_of(outcome(light, 0.9, (0.9, 0.9)), [outcome(light, 0.9, (0.9, 0.9))]) is None
+    first = outcome(Candidate(PLUGIN_HASH_UNIT, ((ORDER, "hits-first"),)), 0.91, (0.91, 0.91))
+    assert lighter_of(first, [rec, outcome(light, 0.91, (0.91, 0.91)), first]) is None
 
 
 def outcome(candidate, full, halves):

@@ -25,7 +25,8 @@ from ..config import Settings, load_settings
 from ..core.gate_steps import gate_on
 from ..core.pool_budget import pool_checkpoints
 from ..core.shared_pool_shape import SharedPoolShape, shared_pool_policy
-from .advise_grid import ORDER_AXES, PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around, grid
+from .advise_grid import (LIGHTER_ENV, ORDER_AXES, PAGE_UNIT, PLUGIN_HASH_UNIT, Candidate, around,
+                          grid)
 from .client_clock import ClientClock
 from .policies import build_policies
 from .simulator import SimSettings
@@ -88,6 +89,9 @@ class Advice:
     native: tuple = ()
     # the better of `native` where it beats `recommended` (`native_wins`)
     native_better: Optional[NativeOutcome] = None
+    # `recommended` without the gate, floors and prices, where it does as
+    # well (`lighter_of`)
+    lighter: Optional[Outcome] = None
 
 
 def split_halves(conversations: list) -> tuple[list, list]:
@@ -146,6 +150,27 @@ def native_wins(native: Sequence[NativeOutcome], recommended: Outcome) -> Option
         return None
     gain, noise = paired_gain(best, recommended)
     return best if gain >= MIN_GAIN and gain > noise else None
+
+
+def lighter_of(recommended: Outcome, outcomes: Sequence[Outcome]) -> Optional[Outcome]:
+    """`recommended` with the admission gate, the floor states and priced
+    eviction off (`advise_grid.LIGHTER_ENV`), where the planner ran it and
+    the recommendation does not beat it by the rule a candidate beats the
+    defaults by: the same hit, and a scheduler step without their work
+    (where they buy no hit they still cost step time: BENCHMARKS.md, "What
+    each admission part costs"). None where the recommendation has them
+    off already or that candidate was not run."""
+    base = dict(recommended.candidate.env)
+    want = {**base, **dict(LIGHTER_ENV)}
+    if want == base:
+        return None
+    unit = recommended.candidate.hash_unit
+    light = next((o for o in outcomes
+                  if o.candidate.hash_unit == unit and dict(o.candidate.env) == want), None)
+    if light is None:
+        return None
+    gain, noise = paired_gain(recommended, light)
+    return None if gain >= MIN_GAIN and gain > noise else light
 
 
 # --------------------------------------------------------------------------
@@ -281,4 +306,4 @@ def advise(conversations: list, geometry, *, memory_gib: float, concurrency: int
     return Advice(outcomes, next(o for o in outcomes if o.candidate.is_default), best, gain,
                   noise, page, layout.num_pages, pool_checkpoints(pool_tokens, checkpoint_tokens),
                   tuple(hits["ceiling"]), tuple(len(x) for x in subsets), clock.describe(),
-                  native, native_wins(native, best))
+                  native, native_wins(native, best), lighter_of(best, outcomes))

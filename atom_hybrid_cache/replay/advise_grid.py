@@ -95,6 +95,14 @@ def format_value(value) -> str:
     return str(value)
 
 
+# The admission gate, the floor states and priced eviction off: the second
+# stage runs them together around any choice; `advise` names them where they
+# buy nothing (`advise.lighter_of`)
+LIGHTER_ENV = tuple((env_var(section, name), format_value(value)) for section, name, value in (
+    ("server", "admission_gate", "off"), ("server", "floor_fractions", ()),
+    ("placement", "eviction_price_weight", 0.0)))
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One point of the grid: a hash unit and the ATOM_* variables that

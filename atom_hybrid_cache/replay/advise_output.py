@@ -136,6 +136,14 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
             lines.append(f"  expect {describe(a.recommended, a.ceilings)}; {a.gain:+.4f} of "
                          f"prompt tokens over the defaults (noise {a.noise:.4f})")
         lines.append(f"  {serve_line(a.recommended.candidate, model, a.page_tokens)}")
+        if a.lighter is not None:
+            gain = a.lighter.full - a.recommended.full
+            lines += [f"lighter: the same without the admission gate, the floor states and "
+                      f"priced eviction ({gain:+.4f} of prompt tokens, not beaten on both "
+                      f"halves): here they buy no hit and still cost scheduler step time "
+                      f"(BENCHMARKS.md, \"What each admission part costs\")",
+                      f"  expect {describe(a.lighter, a.ceilings)}",
+                      f"  {serve_line(a.lighter.candidate, model, a.page_tokens)}"]
     lines.append(f"defaults: {describe(d, a.ceilings)}")
     alone = best_native(a.native)
     if a.native_better is None and alone is not None and alone.full - d.full >= MIN_GAIN:
