@@ -139,7 +139,8 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
     i = lines.index(next(x for x in lines if x.startswith("lighter:")))
     assert lines[i:i + 3] == [
         "lighter: the same without the admission gate, the floor states and priced eviction "
-        "(+0.0000 of prompt tokens, not beaten on both halves): here they buy no hit and still "
+        "(+0.0000 of prompt tokens, less than 0.001 lost on either half too): here they buy no "
+        "hit and still "
         "cost scheduler step time (BENCHMARKS.md, \"What each admission part costs\")",
         "  expect 77.17% of prompt tokens, 0.9954 of the ceiling (band 0.9945-0.9986 over the "
         "halves)",
@@ -149,17 +150,19 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
 
 def test_the_lighter_line_needs_the_same_hit_on_both_halves():
     """The recommendation without the gate, floors and prices is named
-    only where the recommendation does not beat it by the rule a candidate
-    beats the defaults by; not where it has them off already, nor where the
-    planner did not run that variant."""
+    only where it loses under MIN_GAIN on the whole set and on each half;
+    not where it has them off already, nor where the planner did not run
+    that variant."""
     d = Candidate(PLUGIN_HASH_UNIT)
     light = Candidate(PLUGIN_HASH_UNIT, LIGHTER_ENV)
     rec = outcome(d, 0.90, (0.90, 0.90))
-    # a loss under MIN_GAIN (0.001), or one the halves do not both show: light
-    for full, halves in ((0.8995, (0.8995, 0.8995)), (0.89, (0.92, 0.86))):
+    # a loss under MIN_GAIN (0.001) everywhere, or a gain: light
+    for full, halves in ((0.8995, (0.8995, 0.8992)), (0.91, (0.91, 0.90))):
         assert lighter_of(rec, [rec, outcome(light, full, halves)]).candidate == light
-    # beaten on both halves by 0.01: the parts buy hit here, no lighter line
-    assert lighter_of(rec, [rec, outcome(light, 0.89, (0.89, 0.89))]) is None
+    # a loss of 0.01 on both halves, or on one only (inside the halves'
+    # noise: on the first 20 cc traces at 40 GiB, c8, one of 23 points was)
+    for full, halves in ((0.89, (0.89, 0.89)), (0.89, (0.92, 0.86)), (0.8995, (0.91, 0.889))):
+        assert lighter_of(rec, [rec, outcome(light, full, halves)]) is None
     # the variables in another order are the same settings
     shuffled = Candidate(PLUGIN_HASH_UNIT, LIGHTER_ENV[::-1])
     assert lighter_of(rec, [outcome(shuffled, 0.90, (0.9, 0.9))]).candidate == shuffled

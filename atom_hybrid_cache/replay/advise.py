@@ -155,11 +155,13 @@ def native_wins(native: Sequence[NativeOutcome], recommended: Outcome) -> Option
 def lighter_of(recommended: Outcome, outcomes: Sequence[Outcome]) -> Optional[Outcome]:
     """`recommended` with the admission gate, the floor states and priced
     eviction off (`advise_grid.LIGHTER_ENV`), where the planner ran it and
-    the recommendation does not beat it by the rule a candidate beats the
-    defaults by: the same hit, and a scheduler step without their work
+    it loses under MIN_GAIN to the recommendation on the whole set and on
+    each half: the same hit, and a scheduler step without their work
     (where they buy no hit they still cost step time: BENCHMARKS.md, "What
-    each admission part costs"). None where the recommendation has them
-    off already or that candidate was not run."""
+    each admission part costs"). Not the rule a candidate beats the
+    defaults by: where the halves disagree, a loss inside their noise may
+    still be a large one. None where the recommendation has them off
+    already or that candidate was not run."""
     base = dict(recommended.candidate.env)
     want = {**base, **dict(LIGHTER_ENV)}
     if want == base:
@@ -169,8 +171,8 @@ def lighter_of(recommended: Outcome, outcomes: Sequence[Outcome]) -> Optional[Ou
                   if o.candidate.hash_unit == unit and dict(o.candidate.env) == want), None)
     if light is None:
         return None
-    gain, noise = paired_gain(recommended, light)
-    return None if gain >= MIN_GAIN and gain > noise else light
+    pairs = [(light.full, recommended.full), *zip(light.halves, recommended.halves)]
+    return light if all(lit > rec - MIN_GAIN for lit, rec in pairs) else None
 
 
 # --------------------------------------------------------------------------

@@ -139,8 +139,8 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
         if a.lighter is not None:
             gain = a.lighter.full - a.recommended.full
             lines += [f"lighter: the same without the admission gate, the floor states and "
-                      f"priced eviction ({gain:+.4f} of prompt tokens, not beaten on both "
-                      f"halves): here they buy no hit and still cost scheduler step time "
+                      f"priced eviction ({gain:+.4f} of prompt tokens, less than {MIN_GAIN} "
+                      f"lost on either half too): here they buy no hit and still cost scheduler step time "
                       f"(BENCHMARKS.md, \"What each admission part costs\")",
                       f"  expect {describe(a.lighter, a.ceilings)}",
                       f"  {serve_line(a.lighter.candidate, model, a.page_tokens)}"]
