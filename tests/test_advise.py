@@ -140,8 +140,8 @@ def test_the_defaults_are_recommended_where_nothing_beats_them():
     assert lines[i:i + 3] == [
         "lighter: the same without the admission gate, the floor states and priced eviction "
         "(+0.0000 of prompt tokens, less than 0.001 lost on either half too): here they buy no "
-        "hit and still "
-        "cost scheduler step time (BENCHMARKS.md, \"What each admission part costs\")",
+        "hit and still cost scheduler step time (BENCHMARKS.md, \"What each admission part "
+        "costs\")",
         "  expect 77.17% of prompt tokens, 0.9954 of the ceiling (band 0.9945-0.9986 over the "
         "halves)",
         "  VLLM_PLUGINS=atom_hybrid_cache ATOM_ADMISSION_GATE=off ATOM_STATE_CHECKPOINT_FLOOR='' "

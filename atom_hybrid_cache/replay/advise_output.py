@@ -140,8 +140,9 @@ def format_advice(a: Advice, *, model: str, memory_gib: float, concurrency: int)
             gain = a.lighter.full - a.recommended.full
             lines += [f"lighter: the same without the admission gate, the floor states and "
                       f"priced eviction ({gain:+.4f} of prompt tokens, less than {MIN_GAIN} "
-                      f"lost on either half too): here they buy no hit and still cost scheduler step time "
-                      f"(BENCHMARKS.md, \"What each admission part costs\")",
+                      f"lost on either half too): here they buy no hit and still cost "
+                      f"scheduler step time (BENCHMARKS.md, \"What each admission part "
+                      f"costs\")",
                       f"  expect {describe(a.lighter, a.ceilings)}",
                       f"  {serve_line(a.lighter.candidate, model, a.page_tokens)}"]
     lines.append(f"defaults: {describe(d, a.ceilings)}")
