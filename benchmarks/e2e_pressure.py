@@ -107,7 +107,11 @@ attention kernel's smallest) still covers a state page, and runs with
 ``block_size=32``: a checkpoint costs 96 tokens of KV, a live request's
 state 192. The plugin then runs without ``prefix_match_unit`` (the block is
 already finer than 64), and ``native-pmu64`` is skipped (vLLM requires the
-block to be divisible by the unit). The run stops if vLLM raises the block.
+block to be divisible by the unit). ``large-page`` is issue 31's first model:
+one attention KV head of 64 (256 B a token), so vLLM raises the block to 640
+tokens to cover a state page; a checkpoint costs 1,920 tokens of KV and the
+64-token hash unit is a tenth of a page. The run stops if vLLM raises the
+block past the geometry's.
 
 Metrics per policy
 ------------------
@@ -272,6 +276,13 @@ GEOMETRIES: dict[str, dict[str, Any]] = {
     "default": {"block_size": BLOCK_SIZE, "model_overrides": {}},
     "small-block": {"block_size": 32,
                     "model_overrides": {"num_attention_heads": 8, "num_key_value_heads": 8}},
+    # issue 31's first measure: one KV head of 64 (256 B a token), so vLLM
+    # raises the block to 640 tokens to cover a state page (a multiple of
+    # 128 over 131 KiB): a checkpoint = the KV of 1,920 tokens, and a
+    # 64-token hash unit is a tenth of a page (Qwen3.5's default 400-token
+    # page holds eight 50-token units)
+    "large-page": {"block_size": 640,
+                   "model_overrides": {"num_key_value_heads": 1, "head_dim": 64}},
 }
 
 

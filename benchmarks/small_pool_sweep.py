@@ -4,8 +4,9 @@
 Issue 31's sweep: vLLM's real scheduler and block pool (the scheduler-only
 replay of ``e2e_pressure.py``: no model, the same cached counts as the model
 runs), the tiny Qwen3-Next in its default geometry (128-token blocks; a
-checkpoint = one page per GDN group = 3 pages = the KV of 384 tokens), on
-disjoint subsets of the shared cc traces, lock-step rounds of conversations.
+checkpoint = one page per GDN group = 3 pages = the KV of 384 tokens; with
+``--geometry large-page`` the issue's 640-token pages), on disjoint subsets
+of the shared cc traces, lock-step rounds of conversations.
 
 A cell is (pool size in checkpoints' worth, pool / live working set). For
 each subset and cell the workload is scaled (tokens per trace id, then
@@ -77,11 +78,13 @@ class Shapes:
     tokens `tail * tokens_per_id // 64`); token ids are built only for the
     shapes picked."""
 
-    def __init__(self, paths: list[Path], max_requests: int | None) -> None:
+    def __init__(self, paths: list[Path], max_requests: int | None,
+                 geometry: str = GEOMETRY) -> None:
         from atom_hybrid_cache.replay.traces import load_traces
 
         self.paths = paths
         self.max_requests = max_requests
+        self.block = E.GEOMETRIES[geometry]["block_size"]
         self.lengths = [[r.prompt_len for r in conv.requests[:max_requests]]
                         for path in paths for conv in load_traces(path) if conv.requests]
         self.convs: dict[int, list] = {}
@@ -91,8 +94,7 @@ class Shapes:
         """(largest live working set, largest request) in pages."""
         convs = [{"prompts": [range((n // 64) * tokens_per_id + (n % 64) * tokens_per_id // 64)
                               for n in lens]} for lens in self.lengths]
-        block = E.GEOMETRIES[GEOMETRY]["block_size"]
-        return E.working_set(convs, E.lockstep_rounds(convs, in_flight), block)
+        return E.working_set(convs, E.lockstep_rounds(convs, in_flight), self.block)
 
     def workload(self, tokens_per_id: int, in_flight: int):
         if tokens_per_id not in self.convs:
@@ -101,7 +103,7 @@ class Shapes:
         key = (tokens_per_id, in_flight)
         if key not in self.workloads:
             self.workloads[key] = E.lockstep_workload(self.convs[tokens_per_id], in_flight,
-                                                      E.GEOMETRIES[GEOMETRY]["block_size"])
+                                                      self.block)
         return self.convs[tokens_per_id], self.workloads[key]
 
 
@@ -127,10 +129,11 @@ def pick_shape(shapes: Shapes, pool_pages: int, multiple: float):
 
 
 def cell_workload(subset: int, checkpoints: int, multiple: float,
-                  traces_fitting: int = 128000, count: int = 3, size: int = 8):
+                  traces_fitting: int = 128000, count: int = 3, size: int = 8,
+                  geometry: str = GEOMETRY):
     """One cell's workload, as `main` builds it: (convs, lock-step
     workload, pool pages, in flight); the tests that pin cells use it."""
-    shapes = Shapes(subsets(traces_fitting, count, size)[subset], None)
+    shapes = Shapes(subsets(traces_fitting, count, size)[subset], None, geometry)
     pool = checkpoints * CHECKPOINT_PAGES
     tokens_per_id, in_flight, _ = pick_shape(shapes, pool, multiple)
     convs, w = shapes.workload(tokens_per_id, in_flight)
@@ -158,6 +161,9 @@ def add_grid_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--pool-multiples", default=",".join(map(str, MULTIPLES)),
                     help="pool / largest live working set")
     E.add_trace_dir_argument(ap)
+    ap.add_argument("--geometry", choices=sorted(E.GEOMETRIES), default=GEOMETRY,
+                    help="the tiny model's geometry: 'large-page' is issue 31's first "
+                         "measure, 640-token pages (a checkpoint = 3 pages either way)")
     ap.add_argument("--traces-fitting", type=int, default=128000,
                     help="subsets are drawn from the traces whose prompts all fit this")
     ap.add_argument("--subsets", type=int, default=3)
@@ -177,7 +183,8 @@ def grid_cells(args) -> tuple:
     offsets = [float(x) for x in args.pool_offsets.split(",")]
     multiples = [float(x) for x in args.pool_multiples.split(",")]
     groups = subsets(args.traces_fitting, args.subsets, args.subset_size, args.trace_dir)
-    shapes = [Shapes(g, args.max_requests) for g in groups]
+    geometry = getattr(args, "geometry", GEOMETRY)
+    shapes = [Shapes(g, args.max_requests, geometry) for g in groups]
     cells = []
     for s, sh in enumerate(shapes):
         for n in checkpoints:
@@ -191,6 +198,7 @@ def grid_cells(args) -> tuple:
                 convs, w = sh.workload(tpi, in_flight)
                 cells += at_pool_offsets(
                     dict(subset=s, checkpoints=n, multiple=m, tokens_per_id=tpi,
+                         **({} if geometry == GEOMETRY else {"geometry": geometry}),
                          in_flight=in_flight, pool_pages=pool, live_pages=w.working_set,
                          real_multiple=got, oracle=sum(w.oracle),
                          prompt_tokens=sum(map(len, w.sent)), cached={}), offsets)
@@ -230,14 +238,15 @@ def main(argv: list[str] | None = None) -> int:
             if policy == PAGED_BOUND:
                 cell["cached"][policy] = E.paged_reuse_bound(
                     w.sent, w.oracle, [len(r) for r in w.rounds],
-                    E.GEOMETRIES[GEOMETRY]["block_size"], cell["pool_pages"])
+                    shapes[cell["subset"]].block, cell["pool_pages"])
             elif args.planner:
                 cell["cached"][policy] = planner_cached(policy, convs, w, cell,
                                                         args.max_num_seqs)
             else:
                 # +1: vLLM's null block
                 run = E.run_policy(policy, convs, w.rounds, cell["pool_pages"] + 1,
-                                   w.max_model_len, GEOMETRY, scheduler_only=True,
+                                   w.max_model_len, cell.get("geometry", GEOMETRY),
+                                   scheduler_only=True,
                                    max_num_seqs=args.max_num_seqs or cell["in_flight"])
                 cell["cached"][policy] = sum(run["cached"])
             print(f"subset {cell['subset']} {cell['checkpoints']:>5} ckpt x{cell['multiple']:<5}"
@@ -275,7 +284,7 @@ def planner_cached(policy: str, convs, w, cell, max_num_seqs=None, manager_class
     from atom_hybrid_cache.core.shared_pool_shape import SharedPoolShape
     from atom_hybrid_cache.replay.simulator import SimSettings, simulate
 
-    block = E.GEOMETRIES[GEOMETRY]["block_size"]
+    block = E.GEOMETRIES[cell.get("geometry", GEOMETRY)]["block_size"]
     unit, plugin, order = PLANNER_POLICIES[policy]
     unit = unit or block
     settings = load_settings(None, server_defaults())

