@@ -34,6 +34,7 @@ def free_in_units(manager, req, held: HeldRequest) -> None:
             and not manager.planner.keeps_prompt_end(held.anchor[0])):
         # not worth its pages (core/tail_price.py): the copy and the
         # partial KV entry go back uncached, the page state below stays
+        # (where vLLM still caches it: tail_price.py)
         pos, pages = held.anchor
         for p in pages:
             pool.unindex(p)

@@ -13,9 +13,13 @@ reusable KV that it cuts (`KVCutRate`). So the inner state is kept when
     gain > cut rate x (a checkpoint's KV tokens + a page's tokens)
 
 and given back as uncached pages (reused first) otherwise; the page-boundary
-state below it stays. In a loose pool every such state is kept (the unit's
-gain, up to a page per resume); in one that cuts prefixes, where a page
-holds hundreds of tokens and a checkpoint several pages, none is.
+state below it stays where it is still cached (vLLM frees a prefill's
+chunk-end states into the LRU as it passes them; about one drop in ten finds
+none there and the fall is larger than `gain`: BENCHMARKS.md, "The issue's
+geometry", measures pricing the fall instead). In a loose pool every such
+state is kept (the unit's gain, up to a page per resume); in one that cuts
+prefixes, where a page holds hundreds of tokens and a checkpoint several
+pages, none is.
 """
 
 from __future__ import annotations

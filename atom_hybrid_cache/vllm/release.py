@@ -56,7 +56,8 @@ def free_in_units(sched, parts, request) -> None:
         else:
             # inside a page and not worth its pages (core/tail_price.py):
             # the copy and the partial KV page go back uncached, reused
-            # first; the page-boundary state below stays
+            # first; the page-boundary state below stays (where vLLM
+            # still caches it: core/tail_price.py)
             states += [FreedState(b.handle, 0, False) for b in back]
             kv = _unindex_partial_pages(pool, pos, kv, pages)
     for pos, pages in floors:
