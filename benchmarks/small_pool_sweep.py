@@ -183,7 +183,7 @@ def grid_cells(args) -> tuple:
     offsets = [float(x) for x in args.pool_offsets.split(",")]
     multiples = [float(x) for x in args.pool_multiples.split(",")]
     groups = subsets(args.traces_fitting, args.subsets, args.subset_size, args.trace_dir)
-    geometry = getattr(args, "geometry", GEOMETRY)
+    geometry = args.geometry
     shapes = [Shapes(g, args.max_requests, geometry) for g in groups]
     cells = []
     for s, sh in enumerate(shapes):

@@ -80,12 +80,12 @@ def test_the_issues_geometry_of_640_token_pages(sweep):
     tokens (BENCHMARKS.md, "The issue's geometry"); a 64-token unit is a
     tenth of a page there, half of one in the grids' 128-token pages.
     Subset 2 at 30 checkpoints' worth, 1.0x: the plugin gains a unit or
-    more on 89 resumes and loses three whole ones of 9,600 tokens (the
-    pool is exactly the live set, and its prompt-end copies cost the page
-    states native kept), 0.43 point under native. Subset 0 at 30, 2.0x:
-    eight inner prompt-end states priced out while the window's cut rate
-    counted the first rounds' partial pages, 64 tokens each under
-    native-pmu64."""
+    more on 89 resumes and loses three whole ones of 9,600 tokens (each
+    prefix's only state, its prompt-end copy inside the last page, was
+    gone; native keeps its prompt ends at page boundaries), 0.43 point
+    under native. Subset 0 at 30, 2.0x: eight inner prompt-end states
+    priced out while the window's cut rate counted the first rounds'
+    partial pages, 64 or 128 tokens each under native-pmu64."""
     cells = {(2, 1.0): {"native": 763_520, "native-pmu64": 704_960, "plugin": 760_064},
              (0, 2.0): {"native": 465_920, "native-pmu64": 536_256, "plugin": 535_680}}
     # (the largest prompt, the oracle's reusable tokens): 7 and 2 tokens an id
